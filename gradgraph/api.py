@@ -1,0 +1,88 @@
+"""Public entry points: build_gradient_graph and the reference-compatible GradientGraphBuilder."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import onnx
+import onnx_ir as ir
+
+from gradgraph.io import atomic_write_bytes, load_model
+from gradgraph.pipeline import Pipeline, Stage
+from passes.autodiff import GradientError, GradientOptions
+from passes.gradient import GradientPass
+from passes.prepare import PrepareForGradientPass
+
+
+def gradient_pipeline(loss: str, weights_to_train: Sequence[str] | None, options: GradientOptions) -> Pipeline:
+    """The declared stages of gradient construction (each stage's model can be saved)."""
+    return Pipeline([
+        Stage("forward", PrepareForGradientPass()),
+        Stage("gradient", GradientPass(loss, weights_to_train, options)),
+    ])
+
+
+def build_gradient_graph(
+    model: onnx.ModelProto | str | os.PathLike | bytes,
+    loss: str,
+    weights_to_train: Iterable[str] | None = None,
+    *,
+    allow_unused: bool = False,
+    seed_from_input: bool = False,
+    save_stages: str | os.PathLike | None = None,
+) -> onnx.ModelProto:
+    """Return ``model`` plus the gradient of ``loss`` w.r.t. ``weights_to_train``.
+
+    The result keeps the forward inputs, initializers and outputs, and adds one
+    output ``<name>_grad`` per trained name (same dtype and shape). ``weights_to_train``
+    names initializers and/or graph inputs; ``None`` means every floating-point
+    initializer that reaches the loss. A scalar loss is seeded with 1; with
+    ``seed_from_input`` the seed is an extra input ``<loss>_grad``. Raises
+    :class:`GradientError` for anything it refuses; nothing is written then.
+    """
+    ir_model = load_model(model)
+    weights = None if weights_to_train is None else list(weights_to_train)
+    if isinstance(weights_to_train, str):
+        raise GradientError("weights_to_train must be a list of names, not a single string")
+    options = GradientOptions(allow_unused=allow_unused, seed_from_input=seed_from_input)
+    result = gradient_pipeline(loss, weights, options).run(ir_model, save_dir=save_stages)
+    return ir.to_proto(result)
+
+
+class GradientGraphBuilder:
+    """Same shape as onnxruntime's pybind ``GradientGraphBuilder``.
+
+    ``GradientGraphBuilder(model_bytes, y_node_arg_names, x_node_arg_names, loss_node_arg_name)``;
+    ``build()``, ``get_model() -> bytes``, ``save(path)``. ``y`` names the outputs to
+    differentiate (the loss when ``loss_node_arg_name`` is given, seeded with 1), ``x`` the
+    tensors to differentiate with respect to; gradients are added as graph outputs.
+    """
+
+    def __init__(self, model: bytes | str | os.PathLike | onnx.ModelProto, y_node_arg_names: Iterable[str],
+                 x_node_arg_names: Iterable[str], loss_node_arg_name: str = "") -> None:
+        self._model = model
+        self._ys = sorted(y_node_arg_names)
+        self._xs = sorted(x_node_arg_names)
+        self._loss = loss_node_arg_name
+        if not self._loss:
+            if len(self._ys) != 1:
+                raise GradientError(
+                    "without loss_node_arg_name exactly one y name is needed (got "
+                    f"{self._ys}); gradgraph seeds that output from an input '<y>_grad'")
+        elif self._ys and self._loss not in self._ys:
+            raise GradientError(f"loss {self._loss!r} is not among the y names {self._ys}")
+        self._result: onnx.ModelProto | None = None
+
+    def build(self) -> None:
+        loss = self._loss or self._ys[0]
+        self._result = build_gradient_graph(self._model, loss, self._xs,
+                                            seed_from_input=not self._loss)
+
+    def get_model(self) -> bytes:
+        if self._result is None:
+            raise GradientError("call build() before get_model()")
+        return self._result.SerializeToString()
+
+    def save(self, path: str | os.PathLike) -> None:
+        atomic_write_bytes(path, self.get_model())

@@ -1,0 +1,63 @@
+"""Reading models and writing files safely."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from passes.autodiff import GradientError
+
+
+def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes) -> ir.Model:
+    """An ``ir.Model`` from a ModelProto, serialized bytes or a file path.
+
+    A missing or malformed file raises :class:`GradientError` naming it.
+    """
+    if isinstance(model, ir.Model):
+        return model
+    if isinstance(model, onnx.ModelProto):
+        return ir.from_proto(model)
+    if isinstance(model, bytes):
+        try:
+            proto = onnx.load_from_string(model)
+        except Exception as exc:  # noqa: BLE001 - protobuf raises several types
+            raise GradientError(f"the bytes given are not a serialized ONNX model ({exc})") from exc
+        return ir.from_proto(proto)
+    path = Path(model)
+    if not path.is_file():
+        raise GradientError(f"model file {str(path)!r} does not exist")
+    try:
+        proto = onnx.load(str(path))
+    except Exception as exc:  # noqa: BLE001
+        raise GradientError(
+            f"model file {str(path)!r} is not a valid ONNX model: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not proto.graph.node and not proto.graph.output:
+        raise GradientError(f"model file {str(path)!r} holds no graph (is it an ONNX model?)")
+    return ir.from_proto(proto)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a temp file beside ``path``, fsync, then rename over it."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_model(model: onnx.ModelProto | ir.Model, path: str | os.PathLike) -> None:
+    """Save a model atomically (one file, weights inline)."""
+    proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
+    atomic_write_bytes(path, proto.SerializeToString())

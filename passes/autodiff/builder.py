@@ -1,0 +1,353 @@
+"""A small graph builder whose methods mirror ONNX ops, for writing gradient rules.
+
+``b.ReduceSum(x, [0], keepdims=0)`` appends a ``ReduceSum`` node and returns a
+:class:`Var`; Python lists and numbers become constants (ints as int64, floats
+in the dtype of the first tensor argument). ``Var`` supports ``+ - * / **`` and
+unary minus, so a rule reads like its formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+# Output dtypes of ops whose result is not "the dtype of the first input".
+_INT64_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+_BOOL_OPS = frozenset(
+    {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor",
+     "IsNaN", "IsInf"}
+)
+
+
+def dims_equal(a: Any, b: Any) -> bool:
+    """True when two dims are known to be equal (same int, or same symbolic name)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    a_name = getattr(a, "value", a)
+    b_name = getattr(b, "value", b)
+    return isinstance(a_name, str) and a_name == b_name
+
+
+def shape_dims(shape: ir.Shape | None) -> list[Any] | None:
+    if shape is None:
+        return None
+    return [d if isinstance(d, int) else getattr(d, "value", None) for d in shape]
+
+
+def _float_dtype(inputs: Sequence[Any]) -> ir.DataType | None:
+    dtypes = [x.dtype for x in inputs if isinstance(x, Var) and x.dtype is not None]
+    return next((d for d in dtypes if d.is_floating_point()), dtypes[0] if dtypes else None)
+
+
+class Var:
+    """A value in the graph under construction, with ONNX arithmetic."""
+
+    __slots__ = ("value", "b")
+
+    def __init__(self, value: ir.Value, builder: GradBuilder) -> None:
+        self.value = value
+        self.b = builder
+
+    @property
+    def dtype(self) -> ir.DataType | None:
+        return self.value.dtype
+
+    @property
+    def shape(self) -> list[Any] | None:
+        return shape_dims(self.value.shape)
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.value.shape is None else len(self.value.shape)
+
+    @property
+    def name(self) -> str | None:
+        return self.value.name
+
+    def __repr__(self) -> str:
+        return f"Var({self.value.name!r}, {self.dtype}, {self.shape})"
+
+    def __add__(self, o: Any) -> Var:
+        return self.b.Add(self, o)
+
+    def __radd__(self, o: Any) -> Var:
+        return self.b.Add(o, self)
+
+    def __sub__(self, o: Any) -> Var:
+        return self.b.Sub(self, o)
+
+    def __rsub__(self, o: Any) -> Var:
+        return self.b.Sub(o, self)
+
+    def __mul__(self, o: Any) -> Var:
+        return self.b.Mul(self, o)
+
+    def __rmul__(self, o: Any) -> Var:
+        return self.b.Mul(o, self)
+
+    def __truediv__(self, o: Any) -> Var:
+        return self.b.Div(self, o)
+
+    def __rtruediv__(self, o: Any) -> Var:
+        return self.b.Div(o, self)
+
+    def __neg__(self) -> Var:
+        return self.b.Neg(self)
+
+    def __pow__(self, o: Any) -> Var:
+        return self.b.Pow(self, o)
+
+
+class NodeView:
+    """Read-only view of a forward node for gradient rules."""
+
+    def __init__(self, node: ir.Node, builder: GradBuilder, needs: Sequence[bool],
+                 captured: Sequence[ir.Value] = ()) -> None:
+        self.node = node
+        self.b = builder
+        self.inputs: list[Var | None] = [builder.wrap(v) if v is not None else None for v in node.inputs]
+        self.outputs: list[Var] = [builder.wrap(v) for v in node.outputs]
+        self.captured: list[Var] = [builder.wrap(v) for v in captured]
+        self._needs = list(needs)
+
+    @property
+    def op_type(self) -> str:
+        return self.node.op_type
+
+    @property
+    def name(self) -> str:
+        return self.node.name or self.node.op_type
+
+    @property
+    def opset(self) -> int:
+        return self.b.opset
+
+    def needs_grad(self, index: int) -> bool:
+        """Whether the engine wants a gradient for input ``index`` (the mask)."""
+        return index < len(self._needs) and self._needs[index]
+
+    def has_input(self, index: int) -> bool:
+        return index < len(self.inputs) and self.inputs[index] is not None
+
+    def has_output(self, index: int) -> bool:
+        return index < len(self.outputs) and bool(self.node.outputs[index].name)
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        attr = self.node.attributes.get(name)
+        if attr is None:
+            return default
+        value = attr.value
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            return list(value)
+        return value
+
+    def const_input(self, index: int) -> np.ndarray | None:
+        """The input's value when it is a constant or initializer, else None."""
+        if not self.has_input(index):
+            return None
+        return self.b.const_value(self.inputs[index])
+
+
+class GradBuilder:
+    """Appends nodes to a list; the engine inserts them into the graph."""
+
+    def __init__(self, opset: int, opset_imports: dict[str, int] | None = None) -> None:
+        self.opset = opset
+        self.opset_imports = dict(opset_imports or {"": opset})
+        self.nodes: list[ir.Node] = []
+        self.prefix = "grad"
+        self._counter = 0
+        self._consts: dict[tuple[bytes, str, tuple[int, ...]], Var] = {}
+        self._wrapped: dict[int, Var] = {}
+
+    # ---- values -------------------------------------------------------------------------
+    def wrap(self, value: ir.Value) -> Var:
+        var = self._wrapped.get(id(value))
+        if var is None or var.value is not value:
+            var = Var(value, self)
+            self._wrapped[id(value)] = var
+        return var
+
+    def fresh_name(self, hint: str) -> str:
+        self._counter += 1
+        return f"{self.prefix}/{hint}_{self._counter}"
+
+    def const(self, array: Any, dtype: ir.DataType | np.dtype | None = None) -> Var:
+        """A constant (deduplicated); ``dtype`` may be an ir.DataType or numpy dtype."""
+        if isinstance(dtype, ir.DataType):
+            np_dtype = dtype.numpy()
+        else:
+            np_dtype = dtype
+        arr = np.asarray(array, dtype=np_dtype)
+        key = (arr.tobytes(), str(arr.dtype), arr.shape)
+        cached = self._consts.get(key)
+        if cached is not None:
+            return cached
+        self._counter += 1
+        name = f"gradgraph_const_{self._counter}"
+        tensor = ir.tensor(arr, name=name)
+        node = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], name=name + "_node",
+                       num_outputs=1)
+        out = node.outputs[0]
+        out.name = name
+        out.type = ir.TensorType(tensor.dtype)
+        out.shape = ir.Shape(arr.shape)
+        out.const_value = tensor
+        self.nodes.append(node)
+        var = self.wrap(out)
+        self._consts[key] = var
+        return var
+
+    def const_value(self, var: Var | None) -> np.ndarray | None:
+        if var is None:
+            return None
+        value = var.value
+        if value.const_value is not None:
+            try:
+                return value.const_value.numpy()
+            except Exception:  # noqa: BLE001 - external data not loaded
+                return None
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant" and producer.domain == "":
+            attr = producer.attributes.get("value")
+            if attr is not None:
+                return attr.value.numpy()
+        return None
+
+    def _to_var(self, x: Any, like: ir.DataType | None) -> Var:
+        if isinstance(x, Var):
+            return x
+        if isinstance(x, ir.Value):
+            return self.wrap(x)
+        if isinstance(x, np.ndarray):
+            return self.const(x)
+        if isinstance(x, (list, tuple)):
+            if any(isinstance(e, float) for e in x):
+                return self.const(np.array(x), like or ir.DataType.FLOAT)
+            return self.const(np.array(x, dtype=np.int64))
+        if isinstance(x, bool):
+            return self.const(np.array(x))
+        if isinstance(x, int) and like is not None and like.is_floating_point():
+            return self.const(np.array(x), like)
+        if isinstance(x, int):
+            return self.const(np.array(x, dtype=np.int64) if like is None else np.array(x), like)
+        if isinstance(x, float):
+            return self.const(np.array(x), like or ir.DataType.FLOAT)
+        raise TypeError(f"cannot turn {type(x).__name__} into an ONNX value")
+
+    # ---- ops ---------------------------------------------------------------------------
+    def op(self, op_type: str, *inputs: Any, _outputs: int = 1, _domain: str = "",
+           _like: Var | None = None, **attrs: Any) -> Any:
+        """Append one node; ``_like`` gives the dtype of Python-number inputs."""
+        like = _like.dtype if _like is not None else _float_dtype(inputs)
+        vars_ = [None if x is None else self._to_var(x, like) for x in inputs]
+        attributes = ir.convenience.convert_attributes(
+            {k: v for k, v in attrs.items() if v is not None}
+        )
+        node = ir.Node(_domain, op_type, [v.value if v is not None else None for v in vars_],
+                       attributes, num_outputs=_outputs, name=self.fresh_name(op_type))
+        dtype = self._out_dtype(op_type, vars_, attrs)
+        for i, out in enumerate(node.outputs):
+            out.name = f"{node.name}:{i}" if _outputs > 1 else node.name
+            if dtype is not None and i == 0:
+                out.type = ir.TensorType(dtype)
+        self.nodes.append(node)
+        wrapped = [self.wrap(o) for o in node.outputs]
+        return wrapped[0] if _outputs == 1 else wrapped
+
+    @staticmethod
+    def _out_dtype(op_type: str, vars_: list[Var | None], attrs: dict[str, Any]) -> ir.DataType | None:
+        if op_type in _INT64_OPS:
+            return ir.DataType.INT64
+        if op_type in _BOOL_OPS:
+            return ir.DataType.BOOL
+        if op_type == "Cast":
+            return ir.DataType(attrs["to"])
+        if op_type == "CastLike":
+            return vars_[1].dtype if vars_[1] is not None else None
+        if op_type == "ConstantOfShape":
+            value = attrs.get("value")
+            return ir.DataType.FLOAT if value is None else value.dtype
+        if op_type == "OneHot":
+            return vars_[2].dtype if vars_[2] is not None else None
+        if op_type == "Where":
+            return vars_[1].dtype if vars_[1] is not None else None
+        first = next((v for v in vars_ if v is not None), None)
+        return None if first is None else first.dtype
+
+    def __getattr__(self, name: str) -> Any:
+        if name[:1].isupper():
+            return lambda *inputs, **attrs: self.op(name, *inputs, **attrs)
+        raise AttributeError(name)
+
+    # ---- helpers that hide opset differences -------------------------------------------
+    def reduce(self, op_type: str, x: Var, axes: Sequence[int] | Var | None, keepdims: int = 1) -> Var:
+        """Reduce over ``axes`` (None = all), axes as attribute or input as the opset wants."""
+        axes_as_input = op_type == "ReduceSum" and self.opset >= 13 or self.opset >= 18
+        if axes is None:
+            return self.op(op_type, x, keepdims=keepdims)
+        if axes_as_input:
+            return self.op(op_type, x, axes if isinstance(axes, Var) else list(axes), keepdims=keepdims)
+        if isinstance(axes, Var):
+            raise ValueError(f"{op_type} at opset {self.opset} needs constant axes")
+        return self.op(op_type, x, axes=list(axes), keepdims=keepdims)
+
+    def zeros_like(self, x: Var) -> Var:
+        return self.ConstantOfShape(self.Shape(x), value=ir.tensor(np.zeros(1, x.dtype.numpy())))
+
+    def ones_like(self, x: Var) -> Var:
+        return self.ConstantOfShape(self.Shape(x), value=ir.tensor(np.ones(1, x.dtype.numpy())))
+
+    def cast_to(self, x: Var, dtype: ir.DataType | None) -> Var:
+        if dtype is None or x.dtype == dtype:
+            return x
+        return self.Cast(x, to=int(dtype))
+
+    def float_mask(self, cond: Var, like: Var) -> Var:
+        return self.CastLike(cond, like)
+
+    def dim(self, x: Var, axis: int) -> Var:
+        """The 1-element int64 tensor holding ``x.shape[axis]``."""
+        return self.Gather(self.Shape(x), [axis], axis=0)
+
+    def unbroadcast(self, g: Var, from_shape: Sequence[Any] | None, x: Var) -> Var:
+        """Sum ``g`` (shaped ``from_shape``) down to the shape of ``x``."""
+        to = x.shape
+        if from_shape is not None and to is not None:
+            if len(from_shape) == len(to) and all(dims_equal(a, c) for a, c in zip(from_shape, to)):
+                return g
+            lead = len(from_shape) - len(to)
+            if lead >= 0:
+                axes: list[int] = []
+                static = True
+                for i, d in enumerate(to):
+                    o = from_shape[lead + i]
+                    if dims_equal(d, o):
+                        continue
+                    if d == 1:
+                        axes.append(lead + i)
+                    else:
+                        static = False
+                if static:
+                    out = g
+                    if axes:
+                        out = self.reduce("ReduceSum", out, axes, keepdims=1)
+                    if lead:
+                        out = self.reduce("ReduceSum", out, list(range(lead)), keepdims=0)
+                    return out
+        return self._unbroadcast_dynamic(g, x)
+
+    def _unbroadcast_dynamic(self, g: Var, x: Var) -> Var:
+        """Runtime shape comparison: works for any shapes, no static information needed."""
+        sx = self.Shape(x)
+        sg = self.Shape(g)
+        missing = self.Sub(self.Size(sg), self.Size(sx))
+        pad = self.ConstantOfShape(self.Reshape(missing, [1]),
+                                   value=ir.tensor(np.ones(1, np.int64)))
+        padded = self.Concat(pad, sx, axis=0)
+        axes = self.Reshape(self.NonZero(self.Not(self.Equal(padded, sg))), [-1])
+        summed = self.ReduceSum(g, axes, keepdims=1, noop_with_empty_axes=1)
+        return self.Reshape(summed, sx)

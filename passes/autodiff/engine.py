@@ -1,0 +1,311 @@
+"""The autodiff engine: the cross-cutting work that rules do not do.
+
+Given a forward graph, a loss value and the values to differentiate:
+
+1. walk forward from the trained values along differentiable edges (float tensors,
+   inputs the rule marks differentiable) and backward from the loss; the nodes on
+   both walks are the only ones that get gradient code;
+2. visit those nodes in reverse topological order, sum the gradient contributions of
+   each output (fan-out), call the op's rule, un-broadcast and cast each input
+   gradient to the input's shape and dtype;
+3. expose ``<name>_grad`` graph outputs for the trained values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import onnx_ir as ir
+
+from passes.autodiff.builder import GradBuilder, NodeView, Var, shape_dims
+from passes.autodiff.errors import GradientError
+from passes.autodiff.registry import GradRule, lookup
+
+FLOAT_TYPES = frozenset(
+    {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientOptions:
+    """Options of the gradient builder."""
+
+    # Give zero gradients to trained values that do not reach the loss instead of failing.
+    allow_unused: bool = False
+    # Take the loss gradient from an extra graph input ``<loss><suffix>`` instead of ones.
+    seed_from_input: bool = False
+    # Suffix of the gradient outputs (and of the seed input).
+    grad_suffix: str = "_grad"
+
+
+def is_float(value: ir.Value) -> bool:
+    return value.dtype is None or value.dtype in FLOAT_TYPES
+
+
+def captured_values(node: ir.Node) -> list[ir.Value]:
+    """Outer-scope values read inside ``node``'s subgraphs (If/Loop/Scan bodies)."""
+    found: dict[int, ir.Value] = {}
+    for attr in node.attributes.values():
+        graphs = []
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs = [attr.value]
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs = list(attr.value)
+        for graph in graphs:
+            _collect_outer(graph, found)
+    return list(found.values())
+
+
+def _collect_outer(graph: ir.Graph, found: dict[int, ir.Value]) -> None:
+    local = {id(v) for v in graph.inputs} | {id(v) for v in graph.initializers.values()}
+    for node in graph:
+        local.update(id(o) for o in node.outputs)
+    for node in graph:
+        for value in node.inputs:
+            if value is not None and id(value) not in local:
+                found.setdefault(id(value), value)
+        for inner in captured_values(node):
+            if id(inner) not in local:
+                found.setdefault(id(inner), inner)
+
+
+def _edges(node: ir.Node) -> list[tuple[int, ir.Value]]:
+    edges = [(i, v) for i, v in enumerate(node.inputs) if v is not None]
+    if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+        base = len(node.inputs)
+        edges += [(base + k, v) for k, v in enumerate(captured_values(node))]
+    return edges
+
+
+def _is_diff_edge(rule: GradRule | None, index: int, value: ir.Value) -> bool:
+    return is_float(value) and (rule is None or rule.is_diff_input(index))
+
+
+def _describe(value: ir.Value) -> str:
+    return value.name or "<unnamed>"
+
+
+class GradientBuilder:
+    """Builds the gradient of ``loss`` w.r.t. ``weights`` inside ``model`` (in place)."""
+
+    def __init__(self, model: ir.Model, loss: str, weights: Sequence[str] | None,
+                 options: GradientOptions | None = None) -> None:
+        self.model = model
+        self.graph = model.graph
+        self.options = options or GradientOptions()
+        self.opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 0)
+        if self.opset < 13:
+            raise GradientError(
+                f"the model imports ONNX opset {self.opset}; gradgraph needs opset >= 13 "
+                "(convert it with onnx.version_converter.convert_version(model, 13))",
+                opset=self.opset,
+            )
+        self.values = self._index_values()
+        self.loss = self._find_loss(loss)
+        self.weights = self._find_weights(weights)
+        self._all_initializers = weights is None
+        self.b = GradBuilder(self.opset, dict(model.opset_imports))
+        self._exposed_names: set[str] = set()
+        self._rules = {id(n): lookup(n.domain, n.op_type, self._opset_of(n)) for n in self.graph}
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def _opset_of(self, node: ir.Node) -> int:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        return self.model.opset_imports.get(domain, self.opset if domain == "" else 1)
+
+    def _index_values(self) -> dict[str, ir.Value]:
+        values: dict[str, ir.Value] = {}
+        for v in self.graph.inputs:
+            values[v.name] = v
+        for name, v in self.graph.initializers.items():
+            values[name] = v
+        for node in self.graph:
+            for out in node.outputs:
+                if out.name:
+                    values[out.name] = out
+        return values
+
+    def _find_loss(self, name: str) -> ir.Value:
+        value = self.values.get(name)
+        if value is None:
+            outputs = ", ".join(repr(v.name) for v in self.graph.outputs)
+            raise GradientError(
+                f"loss {name!r} is not a tensor of the graph; graph outputs are: {outputs}"
+            )
+        if value.dtype is not None and value.dtype not in FLOAT_TYPES:
+            raise GradientError(
+                f"loss {name!r} has type {value.dtype.name}; the loss must be a floating-point "
+                "tensor (float, float16, bfloat16 or double)"
+            )
+        return value
+
+    def _find_weights(self, names: Sequence[str] | None) -> list[ir.Value]:
+        if names is None:  # every float initializer; those off the loss path are dropped later
+            return [v for v in self.graph.initializers.values() if v.dtype in FLOAT_TYPES]
+        found = []
+        for name in names:
+            value = self.values.get(name)
+            is_source = value is not None and (value.is_graph_input() or value.is_initializer())
+            if not is_source:
+                raise GradientError(
+                    f"trained name {name!r} is neither an initializer nor a graph input of the model"
+                )
+            if value.dtype is not None and value.dtype not in FLOAT_TYPES:
+                raise GradientError(
+                    f"trained name {name!r} has type {value.dtype.name}; only floating-point "
+                    "tensors have gradients"
+                )
+            found.append(value)
+        return found
+
+    # ---- reachability ---------------------------------------------------------------------
+    def _reachable(self) -> tuple[list[ir.Node], set[int], dict[int, ir.Value]]:
+        forward = {id(w) for w in self.weights}
+        for node in self.graph:
+            rule = self._rules[id(node)]
+            if any(id(v) in forward and _is_diff_edge(rule, i, v) for i, v in _edges(node)):
+                forward.update(id(o) for o in node.outputs if is_float(o))
+        needs: set[int] = set()
+        toward_loss: dict[int, ir.Value] = {}
+        if id(self.loss) in forward:
+            needs.add(id(self.loss))
+        active: list[ir.Node] = []
+        for node in reversed(list(self.graph)):
+            out = next((o for o in node.outputs if id(o) in needs), None)
+            if out is None:
+                continue
+            active.append(node)
+            rule = self._rules[id(node)]
+            for i, v in _edges(node):
+                if id(v) in forward and _is_diff_edge(rule, i, v):
+                    needs.add(id(v))
+                    toward_loss.setdefault(id(v), out)
+        return active, needs, toward_loss
+
+    def _path(self, value: ir.Value, toward_loss: dict[int, ir.Value]) -> list[str]:
+        path = [_describe(value)]
+        while id(value) in toward_loss and len(path) < 64:
+            value = toward_loss[id(value)]
+            path.append(_describe(value))
+        return path
+
+    # ---- sweep ------------------------------------------------------------------------------
+    def build(self) -> dict[str, ir.Value]:
+        """Emit the gradient nodes and outputs; returns {weight name: grad output value}."""
+        active, needs, toward_loss = self._reachable()
+        if self._all_initializers:
+            self.weights = [w for w in self.weights if id(w) in needs]
+            if not self.weights:
+                raise GradientError(f"no floating-point initializer reaches loss {self.loss.name!r}")
+        unused = [w for w in self.weights if id(w) not in needs]
+        if unused and not self.options.allow_unused:
+            w = unused[0]
+            raise GradientError(
+                f"trained name {w.name!r} does not reach loss {self.loss.name!r}: no differentiable "
+                "path connects them (pass allow_unused=True to get a zero gradient instead)",
+                path=[w.name or "", "...", self.loss.name or ""],
+            )
+        b = self.b
+        contribs: dict[int, list[Var]] = {}
+        if id(self.loss) in needs:
+            contribs[id(self.loss)] = [self._seed()]
+        done: dict[int, Var | None] = {}
+
+        def total(value: ir.Value) -> Var | None:
+            if id(value) not in done:
+                parts = contribs.get(id(value), [])
+                if not parts:
+                    done[id(value)] = None
+                else:
+                    b.prefix = f"{_describe(value)}_grad_sum"
+                    done[id(value)] = parts[0] if len(parts) == 1 else b.Sum(*parts)
+            return done[id(value)]
+
+        for node in active:
+            rule = self._rules[id(node)]
+            path = self._path(node.outputs[0], toward_loss)
+            if rule is None:
+                raise GradientError(
+                    f"no gradient rule for {node.domain or 'ai.onnx'}::{node.op_type} at opset "
+                    f"{self._opset_of(node)}, and node {node.name!r} lies between the trained "
+                    "names and the loss (freeze the weights before it, or register a rule with "
+                    "passes.autodiff.grad_rule)",
+                    op_type=node.op_type, domain=node.domain, opset=self._opset_of(node),
+                    node=node.name, path=path,
+                )
+            out_grads = [total(o) if id(o) in needs else None for o in node.outputs]
+            if all(g is None for g in out_grads):
+                continue
+            edges = _edges(node)
+            mask = [False] * (max((i for i, _ in edges), default=-1) + 1)
+            for i, v in edges:
+                mask[i] = id(v) in needs and _is_diff_edge(rule, i, v)
+            captured = [v for i, v in edges if i >= len(node.inputs)]
+            b.prefix = f"{node.name or node.op_type}_grad"
+            view = NodeView(node, b, mask, captured)
+            try:
+                in_grads = list(rule.fn(b, view, out_grads))
+            except GradientError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - re-raised with the node named
+                raise GradientError(
+                    f"the gradient rule for {node.op_type} failed: {type(exc).__name__}: {exc}",
+                    op_type=node.op_type, domain=node.domain, opset=self._opset_of(node),
+                    node=node.name, path=path,
+                ) from exc
+            out_shape = shape_dims(node.outputs[0].shape)
+            for i, v in edges:
+                g = in_grads[i] if i < len(in_grads) else None
+                if g is None or not mask[i]:
+                    continue
+                if rule.broadcast:
+                    g = b.unbroadcast(g, out_shape, b.wrap(v))
+                g = b.cast_to(g, v.dtype)
+                contribs.setdefault(id(v), []).append(g)
+
+        b.prefix = "grad_outputs"
+        results: dict[str, ir.Value] = {}
+        for w in self.weights:
+            g = total(w) if id(w) in needs else None
+            if g is None:
+                g = b.zeros_like(b.wrap(w))
+            results[w.name or ""] = self._expose(g, w)
+        self.graph.extend(b.nodes)
+        for value in results.values():
+            self.graph.outputs.append(value)
+        return results
+
+    def _seed(self) -> Var:
+        b = self.b
+        loss = b.wrap(self.loss)
+        dtype = self.loss.dtype or ir.DataType.FLOAT
+        if self.options.seed_from_input:
+            seed = ir.Value(name=f"{self.loss.name}{self.options.grad_suffix}",
+                            type=ir.TensorType(dtype), shape=self.loss.shape)
+            self.graph.inputs.append(seed)
+            return b.wrap(seed)
+        if loss.rank == 0:
+            return b.const(1.0, dtype)
+        b.prefix = f"{self.loss.name}_grad_seed"
+        return b.ones_like(loss)
+
+    def _expose(self, g: Var, w: ir.Value) -> ir.Value:
+        name = f"{w.name}{self.options.grad_suffix}"
+        value = g.value
+        producer = value.producer()
+        owned = producer is not None and any(producer is n for n in self.b.nodes)
+        if not owned or producer.op_type == "Constant" or value.is_graph_output() or \
+                value.name in self._exposed_names:
+            value = self.b.Identity(g).value
+        value.name = name
+        value.type = w.type
+        value.shape = w.shape
+        self._exposed_names.add(name)
+        return value
+
+
+def build_gradient(model: ir.Model, loss: str, weights: Sequence[str] | None = None,
+                   options: GradientOptions | None = None) -> dict[str, ir.Value]:
+    """Add the gradient of ``loss`` w.r.t. ``weights`` to ``model`` in place."""
+    return GradientBuilder(model, loss, weights, options).build()

@@ -1,0 +1,199 @@
+"""Gradients of elementwise ops: arithmetic, activations, comparisons-free selection.
+
+Rules with ``broadcast=True`` return gradients in the output's shape; the engine
+reduces them to each input's shape.
+"""
+
+from __future__ import annotations
+
+import math
+
+from passes.autodiff.registry import grad_rule
+
+# ---- arithmetic ------------------------------------------------------------------------------
+
+
+@grad_rule("Add", broadcast=True)
+def _add(b, n, g):
+    return [g[0], g[0]]
+
+
+@grad_rule("Sub", broadcast=True)
+def _sub(b, n, g):
+    return [g[0], -g[0] if n.needs_grad(1) else None]
+
+
+@grad_rule("Mul", broadcast=True)
+def _mul(b, n, g):
+    a, c = n.inputs
+    return [g[0] * c if n.needs_grad(0) else None, g[0] * a if n.needs_grad(1) else None]
+
+
+@grad_rule("Div", broadcast=True)
+def _div(b, n, g):
+    a, c = n.inputs
+    da = g[0] / c if n.needs_grad(0) else None
+    dc = -(g[0] * n.outputs[0]) / c if n.needs_grad(1) else None
+    return [da, dc]
+
+
+@grad_rule("Pow", broadcast=True)
+def _pow(b, n, g):
+    a, e = n.inputs
+    y = n.outputs[0]
+    ef = b.CastLike(e, a)
+    da = g[0] * ef * b.Pow(a, ef - 1) if n.needs_grad(0) else None
+    de = g[0] * y * b.Log(a) if n.needs_grad(1) else None
+    return [da, de]
+
+
+@grad_rule("Sum", broadcast=True)
+def _sum(b, n, g):
+    return [g[0]] * len(n.inputs)
+
+
+@grad_rule("Mean", broadcast=True)
+def _mean(b, n, g):
+    return [g[0] / float(len(n.inputs))] * len(n.inputs)
+
+
+@grad_rule("Min", "Max", broadcast=True)
+def _min_max(b, n, g):
+    """Ties split the gradient evenly, as torch.minimum/maximum do."""
+    y = n.outputs[0]
+    masks = [b.CastLike(b.Equal(x, y), y) for x in n.inputs]
+    count = masks[0] if len(masks) == 1 else b.Sum(*masks)
+    share = g[0] / count
+    return [share * m if n.needs_grad(i) else None for i, m in enumerate(masks)]
+
+
+@grad_rule("Where", diff_inputs=(1, 2), broadcast=True)
+def _where(b, n, g):
+    cond = n.inputs[0]
+    zero = b.const(0.0, g[0].dtype)
+    return [None,
+            b.Where(cond, g[0], zero) if n.needs_grad(1) else None,
+            b.Where(cond, zero, g[0]) if n.needs_grad(2) else None]
+
+
+@grad_rule("Identity")
+def _identity(b, n, g):
+    return [g[0]]
+
+
+@grad_rule("Cast")
+def _cast(b, n, g):
+    return [b.cast_to(g[0], n.inputs[0].dtype)]
+
+
+@grad_rule("CastLike", diff_inputs=(0,))
+def _cast_like(b, n, g):
+    return [b.cast_to(g[0], n.inputs[0].dtype), None]
+
+
+# ---- unary math ------------------------------------------------------------------------------
+
+
+def _unary(op_type: str, formula) -> None:
+    """Register ``d/dx op(x) = formula(b, x, y) * g``."""
+    grad_rule(op_type)(lambda b, n, g: [g[0] * formula(b, n.inputs[0], n.outputs[0], n)])
+
+
+_unary("Neg", lambda b, x, y, n: b.const(-1.0, x.dtype))
+_unary("Abs", lambda b, x, y, n: b.Sign(x))
+_unary("Sqrt", lambda b, x, y, n: 0.5 / y)
+_unary("Reciprocal", lambda b, x, y, n: -(y * y))
+_unary("Exp", lambda b, x, y, n: y)
+_unary("Log", lambda b, x, y, n: b.Reciprocal(x))
+_unary("Sin", lambda b, x, y, n: b.Cos(x))
+_unary("Cos", lambda b, x, y, n: -b.Sin(x))
+_unary("Tan", lambda b, x, y, n: 1.0 + y * y)
+_unary("Asin", lambda b, x, y, n: b.Reciprocal(b.Sqrt(1.0 - x * x)))
+_unary("Acos", lambda b, x, y, n: -b.Reciprocal(b.Sqrt(1.0 - x * x)))
+_unary("Atan", lambda b, x, y, n: b.Reciprocal(1.0 + x * x))
+_unary("Sinh", lambda b, x, y, n: b.Cosh(x))
+_unary("Cosh", lambda b, x, y, n: b.Sinh(x))
+_unary("Asinh", lambda b, x, y, n: b.Reciprocal(b.Sqrt(x * x + 1.0)))
+_unary("Acosh", lambda b, x, y, n: b.Reciprocal(b.Sqrt(x * x - 1.0)))
+_unary("Atanh", lambda b, x, y, n: b.Reciprocal(1.0 - x * x))
+_unary("Tanh", lambda b, x, y, n: 1.0 - y * y)
+_unary("Sigmoid", lambda b, x, y, n: y * (1.0 - y))
+_unary("Erf", lambda b, x, y, n: (2.0 / math.sqrt(math.pi)) * b.Exp(-(x * x)))
+_unary("Softplus", lambda b, x, y, n: b.Sigmoid(x))
+_unary("Softsign", lambda b, x, y, n: b.Reciprocal((1.0 + b.Abs(x)) * (1.0 + b.Abs(x))))
+_unary("Relu", lambda b, x, y, n: b.CastLike(b.Greater(x, 0.0), x))
+_unary("LeakyRelu", lambda b, x, y, n: b.Where(b.Greater(x, 0.0), 1.0, n.attr("alpha", 0.01), _like=x))
+_unary("ThresholdedRelu", lambda b, x, y, n: b.CastLike(b.Greater(x, n.attr("alpha", 1.0)), x))
+_unary("Elu", lambda b, x, y, n: b.Where(b.Greater(x, 0.0), 1.0, y + n.attr("alpha", 1.0), _like=x))
+_unary("Celu", lambda b, x, y, n: b.Where(b.Greater(x, 0.0), 1.0, b.Exp(x / n.attr("alpha", 1.0)), _like=x))
+_unary("Mish", lambda b, x, y, n: _mish_grad(b, x))
+
+
+def _mish_grad(b, x):
+    tsp = b.Tanh(b.Softplus(x))
+    return tsp + x * b.Sigmoid(x) * (1.0 - tsp * tsp)
+
+
+@grad_rule("Selu")
+def _selu(b, n, g):
+    x, y = n.inputs[0], n.outputs[0]
+    alpha, gamma = n.attr("alpha", 1.67326319217681884765625), n.attr("gamma", 1.05070102214813232421875)
+    return [g[0] * b.Where(b.Greater(x, 0.0), gamma, y + alpha * gamma, _like=x)]
+
+
+@grad_rule("HardSigmoid")
+def _hard_sigmoid(b, n, g):
+    x = n.inputs[0]
+    alpha, beta = n.attr("alpha", 0.2), n.attr("beta", 0.5)
+    z = x * alpha + beta
+    inside = b.And(b.Greater(z, 0.0), b.Less(z, 1.0))
+    return [g[0] * b.Where(inside, alpha, 0.0, _like=x)]
+
+
+@grad_rule("HardSwish")
+def _hard_swish(b, n, g):
+    x = n.inputs[0]
+    slope = x * (1.0 / 3.0) + 0.5
+    d = b.Where(b.Less(x, -3.0), 0.0, b.Where(b.Greater(x, 3.0), 1.0, slope, _like=x), _like=x)
+    return [g[0] * d]
+
+
+@grad_rule("PRelu", broadcast=True)
+def _prelu(b, n, g):
+    x, slope = n.inputs
+    pos = b.Greater(x, 0.0)
+    zero = b.const(0.0, x.dtype)
+    dx = b.Where(pos, g[0], g[0] * slope) if n.needs_grad(0) else None
+    dslope = b.Where(pos, zero, g[0] * x) if n.needs_grad(1) else None
+    return [dx, dslope]
+
+
+@grad_rule("Gelu", since=20)
+def _gelu(b, n, g):
+    x = n.inputs[0]
+    if n.attr("approximate", "none") == "tanh":
+        k = math.sqrt(2.0 / math.pi)
+        inner = k * (x + 0.044715 * x * x * x)
+        t = b.Tanh(inner)
+        d_inner = k * (1.0 + 3.0 * 0.044715 * x * x)
+        d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+    else:
+        cdf = 0.5 * (1.0 + b.Erf(x * (1.0 / math.sqrt(2.0))))
+        pdf = (1.0 / math.sqrt(2.0 * math.pi)) * b.Exp(-0.5 * x * x)
+        d = cdf + x * pdf
+    return [g[0] * d]
+
+
+@grad_rule("Clip", diff_inputs=(0,))
+def _clip(b, n, g):
+    """Gradient passes where min <= x <= max (inclusive, as torch.clamp)."""
+    x = n.inputs[0]
+    keep = None
+    if n.has_input(1):
+        keep = b.GreaterOrEqual(x, n.inputs[1])
+    if n.has_input(2):
+        upper = b.LessOrEqual(x, n.inputs[2])
+        keep = upper if keep is None else b.And(keep, upper)
+    if keep is None:
+        return [g[0]]
+    return [b.Where(keep, g[0], b.const(0.0, g[0].dtype)), None, None]

@@ -1,0 +1,121 @@
+"""Gradients of MatMul (N-D, broadcast batch dims, 1-D operands), Gemm and Einsum."""
+
+from __future__ import annotations
+
+from passes.autodiff.registry import grad_rule
+
+
+def _swap_last(b, x, rank):
+    perm = list(range(rank))
+    perm[-1], perm[-2] = perm[-2], perm[-1]
+    return b.Transpose(x, perm=perm)
+
+
+@grad_rule("MatMul")
+def _matmul(b, n, g):
+    a, c = n.inputs
+    ra, rc = a.rank, c.rank
+    if ra is None or rc is None:
+        raise ValueError("MatMul gradient needs the operand ranks (run shape inference)")
+    go = g[0]
+    # Promote 1-D operands as the MatMul spec does, and the output gradient with them.
+    a2 = b.Unsqueeze(a, [0]) if ra == 1 else a
+    c2 = b.Unsqueeze(c, [1]) if rc == 1 else c
+    if ra == 1:
+        go = b.Unsqueeze(go, [-2] if rc > 1 else [0])
+    if rc == 1:
+        go = b.Unsqueeze(go, [-1])
+    ra2, rc2 = max(ra, 2), max(rc, 2)
+    out_rank = max(ra2, rc2)
+    batch = (n.outputs[0].shape or [None] * out_rank)
+    batch = list(batch[: out_rank - 2]) if ra > 1 and rc > 1 else [None] * (out_rank - 2)
+    da = dc = None
+    if n.needs_grad(0):
+        if rc2 == 2 and ra2 > 2:
+            da = b.MatMul(go, _swap_last(b, c2, 2))
+        else:
+            da = b.MatMul(go, _swap_last(b, c2, rc2))
+            da = b.unbroadcast(da, batch + (a2.shape or [None, None])[-2:] if ra > 1 else None, a2)
+        if ra == 1:
+            da = b.Reshape(da, b.Shape(a))
+    if n.needs_grad(1):
+        if rc2 == 2 and ra2 > 2:
+            # Linear layer: fold the batch dims of A and G into rows, one 2-D MatMul.
+            a_rows = b.Reshape(a2, b.Concat([-1], b.dim(a2, -1), axis=0))
+            g_rows = b.Reshape(go, b.Concat([-1], b.dim(go, -1), axis=0))
+            dc = b.MatMul(b.Transpose(a_rows, perm=[1, 0]), g_rows)
+        else:
+            dc = b.MatMul(_swap_last(b, a2, ra2), go)
+            dc = b.unbroadcast(dc, batch + (c2.shape or [None, None])[-2:] if rc > 1 else None, c2)
+        if rc == 1:
+            dc = b.Reshape(dc, b.Shape(c))
+    return [da, dc]
+
+
+@grad_rule("Gemm")
+def _gemm(b, n, g):
+    a, c = n.inputs[0], n.inputs[1]
+    alpha, beta = n.attr("alpha", 1.0), n.attr("beta", 1.0)
+    ta, tb = n.attr("transA", 0), n.attr("transB", 0)
+    go = g[0]
+    da = dc = dbias = None
+    if n.needs_grad(0):
+        if ta:
+            da = b.Gemm(c, go, alpha=alpha, transA=tb, transB=1)
+        else:
+            da = b.Gemm(go, c, alpha=alpha, transB=1 - tb)
+    if n.needs_grad(1):
+        if tb:
+            dc = b.Gemm(go, a, alpha=alpha, transA=1, transB=ta)
+        else:
+            dc = b.Gemm(a, go, alpha=alpha, transA=1 - ta)
+    if n.needs_grad(2):
+        scaled = go if beta == 1.0 else go * beta
+        dbias = b.unbroadcast(scaled, n.outputs[0].shape, n.inputs[2])
+    return [da, dc, dbias]
+
+
+def _parse_einsum(equation: str):
+    lhs, _, rhs = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if not _:
+        letters = sorted({ch for t in terms for ch in t if ch.isalpha()})
+        counts = {ch: sum(t.count(ch) for t in terms) for ch in letters}
+        rhs = ("..." if any("..." in t for t in terms) else "") + "".join(
+            ch for ch in letters if counts[ch] == 1)
+    return terms, rhs
+
+
+def _letters(term: str) -> list[str]:
+    return [ch for ch in term.replace("...", "") if ch.isalpha()]
+
+
+@grad_rule("Einsum")
+def _einsum(b, n, g):
+    """d operand_i = einsum(other operands, grad -> term_i), expanded over lost letters."""
+    terms, out = _parse_einsum(n.attr("equation"))
+    grads = []
+    for i, x in enumerate(n.inputs):
+        if not n.needs_grad(i):
+            grads.append(None)
+            continue
+        term = terms[i]
+        if len(set(_letters(term))) != len(_letters(term)):
+            raise ValueError(f"Einsum gradient does not support repeated indices in {term!r}")
+        others = [t for k, t in enumerate(terms) if k != i]
+        available = set("".join(others) + out)
+        kept = "".join(ch for ch in term.replace("...", "") if ch in available)
+        target = ("..." if "..." in term else "") + kept
+        eq = ",".join(others + [out]) + "->" + target
+        inputs = [v for k, v in enumerate(n.inputs) if k != i] + [g[0]]
+        d = b.Einsum(*inputs, equation=eq)
+        if kept != term.replace("...", ""):
+            # Letters summed away in the forward pass: put them back as broadcast dims.
+            positions = [k for k, ch in enumerate(term.replace("...", "")) if ch not in available]
+            offset = (x.rank - len(_letters(term))) if "..." in term else 0
+            d = b.Unsqueeze(d, [p + offset for p in positions])
+            d = b.Expand(d, b.Shape(x))
+        if "..." in term:
+            d = b.unbroadcast(d, None, x)
+        grads.append(d)
+    return grads

@@ -1,0 +1,1 @@
+"""Placeholder module: rules are added here."""

@@ -1,0 +1,95 @@
+"""Gradients of reductions and CumSum.
+
+Every reduction's gradient is "put the reduced axes back, then expand to X's
+shape", times a per-op local factor.
+"""
+
+from __future__ import annotations
+
+from passes.autodiff.registry import grad_rule
+
+
+def _axes(b, n):
+    """The reduction axes as a list, a Var, or None (= all axes)."""
+    if n.attr("axes") is not None:
+        return n.attr("axes")
+    if n.has_input(1):
+        const = n.const_input(1)
+        if const is not None:
+            return None if const.size == 0 and not n.attr("noop_with_empty_axes", 0) else [
+                int(a) for a in const.reshape(-1)]
+        return n.inputs[1]
+    return None
+
+
+def _restore(b, n, v):
+    """Bring a reduced tensor (Y or its gradient) back to X's rank, keepdims-style."""
+    if n.attr("keepdims", 1):
+        return v
+    axes = _axes(b, n)
+    if axes is None:
+        return v  # a scalar broadcasts against X
+    return b.Unsqueeze(v, axes)
+
+
+def _is_noop(n):
+    if not n.attr("noop_with_empty_axes", 0):
+        return False
+    if n.has_input(1):
+        const = n.const_input(1)
+        return const is not None and const.size == 0
+    return n.attr("axes") is None
+
+
+def _reduction(op_type: str, local):
+    """Register dX = Expand(restore(G)) * local(b, x, restore(Y), n)."""
+
+    @grad_rule(op_type, diff_inputs=(0,))
+    def rule(b, n, g):
+        x = n.inputs[0]
+        if _is_noop(n):
+            return [g[0]]
+        go = _restore(b, n, g[0])
+        factor = local(b, x, lambda: _restore(b, n, n.outputs[0]), n)
+        d = b.Expand(go, b.Shape(x)) if factor is None else go * factor
+        if factor is not None:
+            d = b.Expand(d, b.Shape(x))
+        return [d]
+
+    rule.__name__ = f"_{op_type.lower()}_grad"
+    return rule
+
+
+def _mean_factor(b, x, y, n):
+    count = b.CastLike(b.Div(b.Size(x), b.Size(n.outputs[0])), x)
+    return b.Reciprocal(count)
+
+
+def _extreme_factor(b, x, y, n):
+    """Ties share the gradient evenly (torch.amax/amin semantics)."""
+    mask = b.CastLike(b.Equal(x, y()), x)
+    return mask / b.reduce("ReduceSum", mask, _axes(b, n), keepdims=1)
+
+
+def _l2_factor(b, x, y, n):
+    yk = y()
+    safe = b.Where(b.Equal(yk, 0.0), 1.0, yk, _like=x)
+    return b.Where(b.Equal(yk, 0.0), 0.0, x / safe, _like=x)
+
+
+_reduction("ReduceSum", lambda b, x, y, n: None)
+_reduction("ReduceMean", _mean_factor)
+_reduction("ReduceMax", _extreme_factor)
+_reduction("ReduceMin", _extreme_factor)
+_reduction("ReduceProd", lambda b, x, y, n: y() / x)
+_reduction("ReduceL1", lambda b, x, y, n: b.Sign(x))
+_reduction("ReduceL2", _l2_factor)
+_reduction("ReduceSumSquare", lambda b, x, y, n: 2.0 * x)
+_reduction("ReduceLogSumExp", lambda b, x, y, n: b.Exp(x - y()))
+_reduction("ReduceLogSum", lambda b, x, y, n: b.Exp(-y()))
+
+
+@grad_rule("CumSum", diff_inputs=(0,))
+def _cumsum(b, n, g):
+    reverse = 1 - n.attr("reverse", 0)
+    return [b.CumSum(g[0], n.inputs[1], exclusive=n.attr("exclusive", 0), reverse=reverse), None]

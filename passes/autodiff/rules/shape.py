@@ -1,0 +1,223 @@
+"""Gradients of data-movement ops: reshapes, transposes, joins, slices, gathers, scatters.
+
+Ops that copy input elements to output positions share one mechanism when no
+cheaper inverse exists: apply the op to the flat element indices of the input
+(``Range`` reshaped like it) to learn where each output element came from, then
+scatter-add the output gradient back (``ScatterElements(reduction="add")``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.autodiff.registry import grad_rule
+
+# ---- pure reshapes -------------------------------------------------------------------------
+
+
+@grad_rule("Reshape", "Flatten", "Squeeze", "Unsqueeze", diff_inputs=(0,))
+def _reshape(b, n, g):
+    return [b.Reshape(g[0], b.Shape(n.inputs[0]))]
+
+
+@grad_rule("Transpose")
+def _transpose(b, n, g):
+    perm = n.attr("perm")
+    if perm is None:
+        perm = list(reversed(range(n.inputs[0].rank)))
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return [b.Transpose(g[0], perm=inverse)]
+
+
+@grad_rule("Expand", diff_inputs=(0,), broadcast=True)
+def _expand(b, n, g):
+    return [g[0], None]
+
+
+@grad_rule("Tile", diff_inputs=(0,))
+def _tile(b, n, g):
+    """View the output as [r0, d0, r1, d1, ...] and sum the repeat axes."""
+    x = n.inputs[0]
+    rank = x.rank
+    pairs = b.Concat(b.Unsqueeze(n.inputs[1], [1]), b.Unsqueeze(b.Shape(x), [1]), axis=1)
+    split = b.Reshape(g[0], b.Reshape(pairs, [-1]))
+    return [b.reduce("ReduceSum", split, list(range(0, 2 * rank, 2)), keepdims=0), None]
+
+
+# ---- joins and splits ------------------------------------------------------------------------
+
+
+@grad_rule("Concat")
+def _concat(b, n, g):
+    axis = n.attr("axis")
+    sizes = b.Concat(*[b.dim(x, axis) for x in n.inputs], axis=0)
+    parts = b.Split(g[0], sizes, axis=axis, _outputs=len(n.inputs))
+    parts = parts if isinstance(parts, list) else [parts]
+    return [p if n.needs_grad(i) else None for i, p in enumerate(parts)]
+
+
+@grad_rule("Split", diff_inputs=(0,))
+def _split(b, n, g):
+    axis = n.attr("axis", 0)
+    parts = [gi if gi is not None else b.zeros_like(y) for gi, y in zip(g, n.outputs)]
+    return [b.Concat(*parts, axis=axis)]
+
+
+# ---- flat-index mechanism ----------------------------------------------------------------------
+
+
+def flat_ids(b, x):
+    """int64 tensor shaped like ``x`` holding 0..numel-1."""
+    count = b.Reshape(b.Size(x), [])
+    ids = b.Range(b.const(np.array(0, np.int64)), count, b.const(np.array(1, np.int64)))
+    return b.Reshape(ids, b.Shape(x))
+
+
+def scatter_back(b, x, ids, go, *, unique=False):
+    """Add ``go`` at flat positions ``ids`` of a zero tensor shaped like ``x``."""
+    flat_zero = b.Reshape(b.zeros_like(x), [-1])
+    flat_ids_ = b.Reshape(ids, [-1])
+    flat_go = b.Reshape(go, [-1])
+    if unique:
+        out = b.ScatterElements(flat_zero, flat_ids_, flat_go, axis=0)
+    elif b.opset >= 16:
+        out = b.ScatterElements(flat_zero, flat_ids_, flat_go, axis=0, reduction="add")
+    else:
+        onehot = b.OneHot(flat_ids_, b.Reshape(b.Size(x), [1]), b.const(np.array([0.0, 1.0]), go.dtype))
+        out = b.MatMul(b.Unsqueeze(flat_go, [0]), onehot)
+    return b.Reshape(out, b.Shape(x))
+
+
+def _replay(b, n, ids, *, extra=None):
+    """Run the forward op again on ``ids`` in place of input 0, same attributes."""
+    inputs = [ids] + list(n.inputs[1:]) if extra is None else [ids] + extra
+    attrs = {k: n.attr(k) for k in n.node.attributes}
+    return b.op(n.op_type, *inputs, **attrs)
+
+
+def _selection(op_type: str, *, unique: bool, diff_inputs=(0,)) -> None:
+    @grad_rule(op_type, diff_inputs=diff_inputs)
+    def rule(b, n, g):
+        x = n.inputs[0]
+        ids = _replay(b, n, flat_ids(b, x))
+        return [scatter_back(b, x, ids, g[0], unique=unique)]
+
+    rule.__name__ = f"_{op_type.lower()}_by_index"
+
+
+_selection("GatherElements", unique=False)
+_selection("GatherND", unique=False)
+_selection("DepthToSpace", unique=True)
+_selection("SpaceToDepth", unique=True)
+_selection("ReverseSequence", unique=True)
+
+
+@grad_rule("Slice", diff_inputs=(0,))
+def _slice(b, n, g):
+    x = n.inputs[0]
+    steps = n.const_input(4)
+    if steps is None and not n.has_input(4) or steps is not None and np.all(steps == 1):
+        return [_slice_by_pad(b, n, g[0])]
+    return [scatter_back(b, x, _replay(b, n, flat_ids(b, x)), g[0], unique=True)]
+
+
+def _slice_by_pad(b, n, go):
+    """Unit steps: pad the gradient back with zeros (pads computed from runtime shapes)."""
+    x = n.inputs[0]
+    rank = x.rank
+    int64 = ir.DataType.INT64
+    starts, ends = b.cast_to(n.inputs[1], int64), b.cast_to(n.inputs[2], int64)
+    axes = b.cast_to(n.inputs[3], int64) if n.has_input(3) else b.Range(
+        b.const(np.array(0, np.int64)), b.Reshape(b.Size(starts), []), b.const(np.array(1, np.int64)))
+    axes = b.Where(b.Less(axes, 0), axes + rank, axes)
+    dims = b.Gather(b.Shape(x), axes, axis=0)
+    begin = b.Min(b.Max(b.Where(b.Less(starts, 0), starts + dims, starts), 0), dims)
+    stop = b.Min(b.Max(b.Where(b.Less(ends, 0), ends + dims, ends), 0), dims)
+    stop = b.Max(stop, begin)
+    zeros = b.const(np.zeros(rank, np.int64))
+    pad_begin = b.ScatterElements(zeros, axes, begin, axis=0)
+    pad_end = b.ScatterElements(zeros, axes, dims - stop, axis=0)
+    return b.Pad(go, b.Concat(pad_begin, pad_end, axis=0), mode="constant")
+
+
+@grad_rule("Gather", diff_inputs=(0,))
+def _gather(b, n, g):
+    """ScatterND-add the gradient rows back; the gathered axis is moved to the front."""
+    x, idx = n.inputs
+    axis = n.attr("axis", 0)
+    rank, irank = x.rank, idx.rank
+    axis = axis + rank if axis < 0 else axis
+    go = g[0]
+    size = b.dim(x, axis)
+    idx = b.Where(b.Less(idx, 0), idx + b.Reshape(size, []), idx)
+    if b.opset < 16:
+        return [scatter_back(b, x, _replay(b, n, flat_ids(b, x), extra=[n.inputs[1]]), go), None]
+    if axis != 0:
+        # go: pre + idx + post -> idx + pre + post ; x: pre + [a] + post -> [a] + pre + post
+        perm_g = list(range(axis, axis + irank)) + list(range(axis)) + list(range(axis + irank, rank - 1 + irank))
+        go = b.Transpose(go, perm=perm_g)
+        perm_x = [axis] + list(range(axis)) + list(range(axis + 1, rank))
+        xt = b.Transpose(x, perm=perm_x)
+    else:
+        xt = x
+    zeros = b.zeros_like(xt)
+    out = b.ScatterND(zeros, b.Unsqueeze(idx, [-1]), go, reduction="add")
+    if axis != 0:
+        inverse = [0] * rank
+        for i, p in enumerate(perm_x):
+            inverse[p] = i
+        out = b.Transpose(out, perm=inverse)
+    return [out, None]
+
+
+@grad_rule("ScatterND", diff_inputs=(0, 2))
+def _scatter_nd(b, n, g):
+    if n.attr("reduction", "none") != "none":
+        raise ValueError("ScatterND gradient supports reduction='none' only")
+    data, idx, upd = n.inputs
+    d_data = b.ScatterND(g[0], idx, b.zeros_like(upd)) if n.needs_grad(0) else None
+    d_upd = b.GatherND(g[0], idx) if n.needs_grad(2) else None
+    return [d_data, None, d_upd]
+
+
+@grad_rule("ScatterElements", diff_inputs=(0, 2))
+def _scatter_elements(b, n, g):
+    if n.attr("reduction", "none") != "none":
+        raise ValueError("ScatterElements gradient supports reduction='none' only")
+    data, idx, upd = n.inputs
+    axis = n.attr("axis", 0)
+    d_data = b.ScatterElements(g[0], idx, b.zeros_like(upd), axis=axis) if n.needs_grad(0) else None
+    d_upd = b.GatherElements(g[0], idx, axis=axis) if n.needs_grad(2) else None
+    return [d_data, None, d_upd]
+
+
+@grad_rule("Pad", diff_inputs=(0,))
+def _pad(b, n, g):
+    mode = n.attr("mode", "constant")
+    x = n.inputs[0]
+    if mode == "constant":
+        pads = n.inputs[1]
+        extra = [n.inputs[3]] if n.has_input(3) else []
+        if extra:
+            return [b.Pad(g[0], b.Neg(pads), None, *extra, mode="constant"), None, None, None]
+        return [b.Pad(g[0], b.Neg(pads), mode="constant"), None, None]
+    ids = _replay(b, n, flat_ids(b, x))
+    return [scatter_back(b, x, ids, g[0])]
+
+
+@grad_rule("Trilu", diff_inputs=(0,))
+def _trilu(b, n, g):
+    return [b.op("Trilu", g[0], *n.inputs[1:], upper=n.attr("upper", 1)), None]
+
+
+@grad_rule("TopK", diff_inputs=(0,))
+def _topk(b, n, g):
+    x = n.inputs[0]
+    axis = n.attr("axis", -1)
+    if g[0] is None:
+        return [None, None]
+    zeros = b.zeros_like(x)
+    return [b.ScatterElements(zeros, n.outputs[1], g[0], axis=axis), None]

@@ -1,0 +1,29 @@
+"""PrepareForGradientPass: the clean-up every forward graph gets before autodiff.
+
+1. inline model-local functions (exporters emit them; rules see primitive ops);
+2. remove nodes that no output depends on;
+3. expose the masks of training-mode Dropout nodes;
+4. sort topologically and infer types and shapes (rules and un-broadcasting read them).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common
+from onnx_ir.passes import InPlacePass, PassResult, Sequential
+
+from passes.expose_dropout_mask import ExposeDropoutMaskPass
+
+
+class PrepareForGradientPass(InPlacePass):
+    def call(self, model: ir.Model) -> PassResult:
+        steps = Sequential(
+            common.InlinePass(),
+            common.RemoveUnusedFunctionsPass(),
+            common.RemoveUnusedNodesPass(),
+            ExposeDropoutMaskPass(),
+            common.TopologicalSortPass(),
+            common.ShapeInferencePass(strict_mode=False),
+        )
+        result = steps(model)
+        return PassResult(result.model, result.modified)
