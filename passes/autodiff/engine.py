@@ -265,6 +265,7 @@ class GradientBuilder:
                 contribs.setdefault(id(v), []).append(g)
 
         b.prefix = "grad_outputs"
+        self._owned = {id(n) for n in b.nodes}
         results: dict[str, ir.Value] = {}
         for w in self.weights:
             g = total(w) if id(w) in needs else None
@@ -294,7 +295,7 @@ class GradientBuilder:
         name = f"{w.name}{self.options.grad_suffix}"
         value = g.value
         producer = value.producer()
-        owned = producer is not None and any(producer is n for n in self.b.nodes)
+        owned = producer is not None and id(producer) in self._owned
         if not owned or producer.op_type == "Constant" or value.is_graph_output() or \
                 value.name in self._exposed_names:
             value = self.b.Identity(g).value
