@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 import onnx
 import onnx_ir as ir
 
+from gradgraph.compat import for_runtime
 from gradgraph.io import atomic_write_bytes, load_model
 from gradgraph.pipeline import Pipeline, Stage
 from passes.autodiff import GradientError, GradientOptions
@@ -31,6 +32,8 @@ def build_gradient_graph(
     allow_unused: bool = False,
     seed_from_input: bool = False,
     save_stages: str | os.PathLike | None = None,
+    target_ir_version: int | None = None,
+    max_opset: int | None = None,
 ) -> onnx.ModelProto:
     """Return ``model`` plus the gradient of ``loss`` w.r.t. ``weights_to_train``.
 
@@ -40,14 +43,25 @@ def build_gradient_graph(
     initializer that reaches the loss. A scalar loss is seeded with 1; with
     ``seed_from_input`` the seed is an extra input ``<loss>_grad``. Raises
     :class:`GradientError` for anything it refuses; nothing is written then.
+
+    ``target_ir_version``/``max_opset`` make the result loadable by an older runtime
+    (onnxruntime 1.19, the last onnxruntime-training, reads IR <= 10 and opset <= 21): the
+    forward model is converted down to ``max_opset`` first, so the gradient rules emit ops
+    valid there, and the result's IR version is lowered (see :func:`gradgraph.compat.for_runtime`).
     """
     ir_model = load_model(model)
+    targeting = target_ir_version is not None or max_opset is not None
+    if targeting:
+        limits = {"max_ir_version": target_ir_version if target_ir_version is not None else 10**6,
+                  "max_opset": max_opset if max_opset is not None else 10**6}
+        ir_model = ir.from_proto(for_runtime(ir.to_proto(ir_model), **limits))
     weights = None if weights_to_train is None else list(weights_to_train)
     if isinstance(weights_to_train, str):
         raise GradientError("weights_to_train must be a list of names, not a single string")
     options = GradientOptions(allow_unused=allow_unused, seed_from_input=seed_from_input)
     result = gradient_pipeline(loss, weights, options).run(ir_model, save_dir=save_stages)
-    return ir.to_proto(result)
+    proto = ir.to_proto(result)
+    return for_runtime(proto, **limits) if targeting else proto
 
 
 class GradientGraphBuilder:

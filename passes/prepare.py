@@ -1,9 +1,10 @@
 """PrepareForGradientPass: the clean-up every forward graph gets before autodiff.
 
 1. inline model-local functions (exporters emit them; rules see primitive ops);
-2. remove nodes that no output depends on;
-3. expose the masks of training-mode Dropout nodes;
-4. sort topologically and infer types and shapes (rules and un-broadcasting read them).
+
+Initializers and dead nodes are kept: the forward model stays as the user wrote it.
+2. expose the masks of training-mode Dropout nodes;
+3. sort topologically and infer types and shapes (rules and un-broadcasting read them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ class PrepareForGradientPass(InPlacePass):
         steps = Sequential(
             common.InlinePass(),
             common.RemoveUnusedFunctionsPass(),
-            common.RemoveUnusedNodesPass(),
             ExposeDropoutMaskPass(),
             common.TopologicalSortPass(),
             common.ShapeInferencePass(strict_mode=False),

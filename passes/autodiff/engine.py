@@ -14,7 +14,7 @@ Given a forward graph, a loss value and the values to differentiate:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
@@ -105,6 +105,7 @@ class GradientBuilder:
         self.loss = self._find_loss(loss)
         self.weights = self._find_weights(weights)
         self._all_initializers = weights is None
+        self.opset_imports = dict(model.opset_imports)
         self.b = GradBuilder(self.opset, dict(model.opset_imports))
         self._exposed_names: set[str] = set()
         self._rules = {id(n): lookup(n.domain, n.op_type, self._opset_of(n)) for n in self.graph}
@@ -112,7 +113,7 @@ class GradientBuilder:
     # ---- inputs ---------------------------------------------------------------------------
     def _opset_of(self, node: ir.Node) -> int:
         domain = "" if node.domain == "ai.onnx" else node.domain
-        return self.model.opset_imports.get(domain, self.opset if domain == "" else 1)
+        return self.opset_imports.get(domain, self.opset if domain == "" else 1)
 
     def _index_values(self) -> dict[str, ir.Value]:
         values: dict[str, ir.Value] = {}
@@ -168,8 +169,7 @@ class GradientBuilder:
                 forward.update(id(o) for o in node.outputs if is_float(o))
         needs: set[int] = set()
         toward_loss: dict[int, ir.Value] = {}
-        if id(self.loss) in forward:
-            needs.add(id(self.loss))
+        needs.update(id(v) for v in self._seed_targets() if id(v) in forward)
         active: list[ir.Node] = []
         for node in reversed(list(self.graph)):
             out = next((o for o in node.outputs if id(o) in needs), None)
@@ -182,6 +182,10 @@ class GradientBuilder:
                     needs.add(id(v))
                     toward_loss.setdefault(id(v), out)
         return active, needs, toward_loss
+
+    def _seed_targets(self) -> list[ir.Value]:
+        """The values whose gradient is seeded (the loss)."""
+        return [self.loss]
 
     def _path(self, value: ir.Value, toward_loss: dict[int, ir.Value]) -> list[str]:
         path = [_describe(value)]
@@ -207,9 +211,27 @@ class GradientBuilder:
                 path=[w.name or "", "...", self.loss.name or ""],
             )
         b = self.b
-        contribs: dict[int, list[Var]] = {}
-        if id(self.loss) in needs:
-            contribs[id(self.loss)] = [self._seed()]
+        seeds = {id(self.loss): [self._seed()]} if id(self.loss) in needs else {}
+        total = self._sweep(active, needs, toward_loss, seeds)
+
+        b.prefix = "grad_outputs"
+        self._owned = {id(n) for n in b.nodes}
+        results: dict[str, ir.Value] = {}
+        for w in self.weights:
+            g = total(w) if id(w) in needs else None
+            if g is None:
+                g = b.zeros_like(b.wrap(w))
+            results[w.name or ""] = self._expose(g, w)
+        self.graph.extend(b.nodes)
+        for value in results.values():
+            self.graph.outputs.append(value)
+        return results
+
+    def _sweep(self, active: list[ir.Node], needs: set[int], toward_loss: dict[int, ir.Value],
+               seeds: dict[int, list[Var]]) -> Callable[[ir.Value], Var | None]:
+        """Visit ``active`` in reverse order from the ``seeds`` gradients; returns ``total(value)``."""
+        b = self.b
+        contribs: dict[int, list[Var]] = {k: list(v) for k, v in seeds.items()}
         done: dict[int, Var | None] = {}
 
         def total(value: ir.Value) -> Var | None:
@@ -264,18 +286,7 @@ class GradientBuilder:
                 g = b.cast_to(g, v.dtype)
                 contribs.setdefault(id(v), []).append(g)
 
-        b.prefix = "grad_outputs"
-        self._owned = {id(n) for n in b.nodes}
-        results: dict[str, ir.Value] = {}
-        for w in self.weights:
-            g = total(w) if id(w) in needs else None
-            if g is None:
-                g = b.zeros_like(b.wrap(w))
-            results[w.name or ""] = self._expose(g, w)
-        self.graph.extend(b.nodes)
-        for value in results.values():
-            self.graph.outputs.append(value)
-        return results
+        return total
 
     def _seed(self) -> Var:
         b = self.b
@@ -310,3 +321,36 @@ def build_gradient(model: ir.Model, loss: str, weights: Sequence[str] | None = N
                    options: GradientOptions | None = None) -> dict[str, ir.Value]:
     """Add the gradient of ``loss`` w.r.t. ``weights`` to ``model`` in place."""
     return GradientBuilder(model, loss, weights, options).build()
+
+
+class GraphGradient(GradientBuilder):
+    """Vector-Jacobian product of a graph's values: the hook for rules of ops with subgraphs.
+
+    ``seeds`` pairs values of ``graph`` with their incoming gradients (``Var`` of ``builder``,
+    ``None`` for no gradient); ``wrt`` lists values the graph's nodes read (outer-scope values
+    included). The gradient nodes go to ``builder.nodes``; ``graph`` itself is not modified.
+    """
+
+    def __init__(self, graph: ir.Graph, seeds: Sequence[tuple[ir.Value, Var | None]],
+                 wrt: Sequence[ir.Value], builder: GradBuilder) -> None:
+        self.graph = graph
+        self.options = GradientOptions(allow_unused=True)
+        self.opset = builder.opset
+        self.opset_imports = dict(builder.opset_imports)
+        self.b = builder
+        self.weights = list(wrt)
+        self._seeds = [(value, grad) for value, grad in seeds if grad is not None]
+        self._rules = {id(n): lookup(n.domain, n.op_type, self._opset_of(n)) for n in graph}
+
+    def _seed_targets(self) -> list[ir.Value]:
+        return [value for value, _ in self._seeds]
+
+    def gradients(self) -> list[Var | None]:
+        """One gradient per ``wrt`` value, ``None`` where no seeded value depends on it."""
+        active, needs, toward_loss = self._reachable()
+        seeds: dict[int, list[Var]] = {}
+        for value, grad in self._seeds:
+            if id(value) in needs:
+                seeds.setdefault(id(value), []).append(grad)
+        total = self._sweep(active, needs, toward_loss, seeds)
+        return [total(w) if id(w) in needs else None for w in self.weights]

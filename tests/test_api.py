@@ -1,0 +1,167 @@
+"""Public API, errors and CLI of the gradient builder."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import parser
+
+import gradgraph
+from gradgraph.cli import main as cli_main
+
+EXAMPLE = Path(gradgraph.__file__).parent / "examples" / "mlp.onnx"
+BATCH = Path(gradgraph.__file__).parent / "examples" / "mlp_batch.npz"
+
+LINEAR = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[B, 3] x) => (float loss, int64[B] arg) <float[3, 2] W = {1.,2.,3.,4.,5.,6.}, float[2] b = {0.5, -0.5}, float[2] unused = {1., 1.}> {
+  h = MatMul(x, W)
+  y = Add(h, b)
+  arg = ArgMax<axis=1, keepdims=0>(y)
+  sq = Mul(y, y)
+  loss = ReduceSum<keepdims=0>(sq)
+}
+"""
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(names, feeds)
+
+
+def test_gradients_match_torch_autograd():
+    model = parser.parse_model(LINEAR)
+    grad = gradgraph.build_gradient_graph(model, "loss", ["W", "b", "x"])
+    onnx.checker.check_model(grad, full_check=True)
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    dw, db, dx = _run(grad, {"x": x}, ["W_grad", "b_grad", "x_grad"])
+    tw = torch.tensor([[1., 2.], [3., 4.], [5., 6.]], requires_grad=True)
+    tb = torch.tensor([0.5, -0.5], requires_grad=True)
+    tx = torch.tensor(x, requires_grad=True)
+    ((tx @ tw + tb) ** 2).sum().backward()
+    for ours, ref in ((dw, tw.grad), (db, tb.grad), (dx, tx.grad)):
+        np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_keep_forward_and_add_typed_grads():
+    grad = gradgraph.build_gradient_graph(parser.parse_model(LINEAR), "loss", ["W", "b"])
+    outputs = {o.name: o for o in grad.graph.output}
+    assert list(outputs)[:2] == ["loss", "arg"]
+    assert [d.dim_value for d in outputs["W_grad"].type.tensor_type.shape.dim] == [3, 2]
+    assert outputs["b_grad"].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert {i.name for i in grad.graph.initializer} >= {"W", "b", "unused"}
+
+
+def test_default_weights_are_initializers_on_the_loss_path():
+    grad = gradgraph.build_gradient_graph(parser.parse_model(LINEAR), "loss")
+    names = {o.name for o in grad.graph.output}
+    assert {"W_grad", "b_grad"} <= names
+    assert "unused_grad" not in names
+
+
+def test_seed_from_input_scales_gradient():
+    model = parser.parse_model(LINEAR)
+    grad = gradgraph.build_gradient_graph(model, "loss", ["b"], seed_from_input=True)
+    x = np.ones((2, 3), np.float32)
+    (one,) = _run(gradgraph.build_gradient_graph(model, "loss", ["b"]), {"x": x}, ["b_grad"])
+    (three,) = _run(grad, {"x": x, "loss_grad": np.array(3.0, np.float32)}, ["b_grad"])
+    np.testing.assert_allclose(three, 3 * one, rtol=1e-6)
+
+
+def test_unused_weight_is_an_error_unless_allowed():
+    model = parser.parse_model(LINEAR)
+    with pytest.raises(gradgraph.GradientError, match="'unused' does not reach loss 'loss'"):
+        gradgraph.build_gradient_graph(model, "loss", ["W", "unused"])
+    grad = gradgraph.build_gradient_graph(model, "loss", ["W", "unused"], allow_unused=True)
+    (zero,) = _run(grad, {"x": np.ones((2, 3), np.float32)}, ["unused_grad"])
+    np.testing.assert_array_equal(zero, np.zeros(2, np.float32))
+
+
+def test_missing_rule_names_op_node_opset_and_path():
+    model = parser.parse_model("""
+<ir_version: 9, opset_import: ["" : 18, "custom.domain" : 1]>
+g (float[2] x) => (float loss) <float[2] w = {1., 2.}> {
+  a = Mul(x, w)
+  b = custom.domain.Mystery(a)
+  c = Exp(b)
+  loss = ReduceSum<keepdims=0>(c)
+}
+""")
+    with pytest.raises(gradgraph.GradientError) as info:
+        gradgraph.build_gradient_graph(model, "loss", ["w"])
+    err = info.value
+    assert err.op_type == "Mystery" and err.domain == "custom.domain" and err.opset == 1
+    assert err.path[0] == "b" and err.path[-1] == "loss"
+    assert "custom.domain::Mystery" in str(err)
+
+
+def test_non_float_loss_and_missing_names():
+    model = parser.parse_model(LINEAR)
+    with pytest.raises(gradgraph.GradientError, match="loss 'arg' has type INT64"):
+        gradgraph.build_gradient_graph(model, "arg", ["W"])
+    with pytest.raises(gradgraph.GradientError, match="loss 'nope' is not a tensor"):
+        gradgraph.build_gradient_graph(model, "nope", ["W"])
+    with pytest.raises(gradgraph.GradientError, match="'h' is neither an initializer nor a graph input"):
+        gradgraph.build_gradient_graph(model, "loss", ["h"])
+
+
+def test_malformed_and_missing_files(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00this is not protobuf\xff" * 10)
+    with pytest.raises(gradgraph.GradientError, match="bad.onnx"):
+        gradgraph.build_gradient_graph(bad, "loss")
+    with pytest.raises(gradgraph.GradientError, match="does not exist"):
+        gradgraph.build_gradient_graph(tmp_path / "missing.onnx", "loss")
+
+
+def test_reference_compatible_builder(tmp_path):
+    model = parser.parse_model(LINEAR)
+    builder = gradgraph.GradientGraphBuilder(model.SerializeToString(), {"loss"}, {"W", "b"}, "loss")
+    with pytest.raises(gradgraph.GradientError, match="build"):
+        builder.get_model()
+    builder.build()
+    out = onnx.load_from_string(builder.get_model())
+    assert {"W_grad", "b_grad"} <= {o.name for o in out.graph.output}
+    builder.save(tmp_path / "g.onnx")
+    assert onnx.load(tmp_path / "g.onnx").graph.output[-1].name in {"W_grad", "b_grad"}
+
+
+def test_cli_grad_check_and_stages(tmp_path, capsys):
+    out = tmp_path / "grad.onnx"
+    assert cli_main(["grad", str(EXAMPLE), "--loss", "loss", "-o", str(out),
+                     "--save-stages", str(tmp_path / "stages")]) == 0
+    onnx.checker.check_model(onnx.load(out), full_check=True)
+    stages = sorted(p.name for p in (tmp_path / "stages").iterdir())
+    assert stages == ["00_forward.onnx", "01_gradient.onnx"]
+    assert cli_main(["check", str(EXAMPLE), "--loss", "loss", "--inputs", str(BATCH)]) == 0
+    assert "6 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_cli_error_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "grad.onnx"
+    assert cli_main(["grad", str(EXAMPLE), "--loss", "nope", "-o", str(out)]) == 2
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert "loss 'nope' is not a tensor" in capsys.readouterr().err
+
+
+def test_cli_check_fails_on_a_wrong_rule(tmp_path, monkeypatch):
+    """A deliberately wrong rule must make `gradgraph check` exit non-zero."""
+    from passes.autodiff import registry
+
+    rule = registry.lookup("", "Tanh", 18)
+    wrong = registry.GradRule(rule.domain, rule.op_type, lambda b, n, g: [g[0]], rule.since,
+                              rule.until, rule.diff_inputs, rule.broadcast)
+    monkeypatch.setitem(registry._RULES, ("", "Tanh"), [wrong])
+    assert cli_main(["check", str(EXAMPLE), "--loss", "loss", "--inputs", str(BATCH)]) == 1
+
+
+def test_console_script_runs():
+    result = subprocess.run([sys.executable, "-m", "gradgraph.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "gradgraph" in result.stdout

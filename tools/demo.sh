@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up, then run the main job on the bundled example model (no download):
+# build its gradient graph, save every stage, and check it against finite differences.
+#   bash tools/demo.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup.sh
+VENV="${GRADGRAPH_VENV:-.venv}"
+GG="$VENV/bin/gradgraph"
+EX=gradgraph/examples
+mkdir -p out
+"$GG" grad "$EX/mlp.onnx" --loss loss -o out/mlp_grad.onnx --save-stages out/stages
+"$GG" check "$EX/mlp.onnx" --loss loss --inputs "$EX/mlp_batch.npz"
+if "$GG" train -h >/dev/null 2>&1; then
+  "$GG" train "$EX/mlp.onnx" --loss loss --data "$EX/mlp_data.npz" --optimizer adamw --lr 1e-2 \
+    --steps 200 --batch-size 64 --checkpoint-dir out/checkpoints
+fi
