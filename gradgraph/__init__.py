@@ -1,6 +1,9 @@
 """gradgraph: gradient and training graphs for ONNX models, in standard ONNX ops."""
 
 from gradgraph.api import GradientGraphBuilder, build_gradient_graph
+from gradgraph.parameters import TrainingParameters
+from gradgraph.session import TrainingSession
+from gradgraph.training import TrainingConfig, build_training_artifacts
 from passes.autodiff import GradientError, GradientOptions, grad_rule
 
 __version__ = "0.1.0"
@@ -9,6 +12,10 @@ __all__ = [
     "GradientError",
     "GradientGraphBuilder",
     "GradientOptions",
+    "TrainingConfig",
+    "TrainingParameters",
+    "TrainingSession",
+    "build_training_artifacts",
     "build_gradient_graph",
     "grad_rule",
     "__version__",

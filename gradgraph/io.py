@@ -4,29 +4,50 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
+from onnx import version_converter
 
 from passes.autodiff import GradientError
+
+
+MIN_OPSET = 13
+
+
+def _upgrade(proto: onnx.ModelProto, source: str) -> onnx.ModelProto:
+    """Convert models below opset 13 (the oldest the rules target) with onnx's version converter."""
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
+    if opset >= MIN_OPSET:
+        return proto
+    warnings.warn(f"{source} uses ONNX opset {opset}; converting it to opset {MIN_OPSET}", stacklevel=3)
+    try:
+        return version_converter.convert_version(proto, MIN_OPSET)
+    except Exception as exc:  # noqa: BLE001 - the converter raises RuntimeError/ValueError
+        raise GradientError(
+            f"{source} uses ONNX opset {opset} and could not be converted to opset {MIN_OPSET} "
+            f"({exc}); re-export it at opset {MIN_OPSET} or newer"
+        ) from exc
 
 
 def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes) -> ir.Model:
     """An ``ir.Model`` from a ModelProto, serialized bytes or a file path.
 
-    A missing or malformed file raises :class:`GradientError` naming it.
+    A missing or malformed file raises :class:`GradientError` naming it; models below
+    opset 13 are converted to opset 13.
     """
     if isinstance(model, ir.Model):
         return model
     if isinstance(model, onnx.ModelProto):
-        return ir.from_proto(model)
+        return ir.from_proto(_upgrade(model, "the model"))
     if isinstance(model, bytes):
         try:
             proto = onnx.load_from_string(model)
         except Exception as exc:  # noqa: BLE001 - protobuf raises several types
             raise GradientError(f"the bytes given are not a serialized ONNX model ({exc})") from exc
-        return ir.from_proto(proto)
+        return ir.from_proto(_upgrade(proto, "the model"))
     path = Path(model)
     if not path.is_file():
         raise GradientError(f"model file {str(path)!r} does not exist")
@@ -38,7 +59,7 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes) ->
         ) from exc
     if not proto.graph.node and not proto.graph.output:
         raise GradientError(f"model file {str(path)!r} holds no graph (is it an ONNX model?)")
-    return ir.from_proto(proto)
+    return ir.from_proto(_upgrade(proto, f"model file {str(path)!r}"))
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

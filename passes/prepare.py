@@ -14,6 +14,7 @@ import onnx_ir.passes.common as common
 from onnx_ir.passes import InPlacePass, PassResult, Sequential
 
 from passes.expose_dropout_mask import ExposeDropoutMaskPass
+from passes.sequence_types import TypeSequenceOutputsPass
 
 
 class PrepareForGradientPass(InPlacePass):
@@ -23,6 +24,7 @@ class PrepareForGradientPass(InPlacePass):
             common.RemoveUnusedFunctionsPass(),
             ExposeDropoutMaskPass(),
             common.TopologicalSortPass(),
+            TypeSequenceOutputsPass(),
             common.ShapeInferencePass(strict_mode=False),
         )
         result = steps(model)

@@ -14,9 +14,12 @@ Exporter traps handled here (torch 2.13, onnxscript 0.7.2):
       -> ``val_N``), drops zero biases and merges equal-valued initializers, so the export uses
       ``optimize=False``. Its torchlib writes BatchNorm in inference mode even in train mode;
       a custom translation keeps ``training_mode=1`` (see /work/shared/peer/export_models.py).
-    * legacy: ``training=TrainingMode.TRAINING`` and ``do_constant_folding=False`` in train mode;
-      in eval mode constant folding stays on (its default), so parameters may appear transposed
-      under ``onnx::MatMul_N`` names -- the map finds them by value.
+    * legacy: ``training=TrainingMode.TRAINING`` and ``do_constant_folding=False`` in train mode.
+      In eval mode constant folding stays on (its default) for the transformers and the MLP, so
+      parameters may appear transposed under ``onnx::MatMul_N`` names (the map finds them by
+      value). For the CNN and the LSTM it is off: there folding derives new constants from
+      several parameters (Conv+BatchNorm fusion; LSTM gate reordering and bias concatenation),
+      which no parameter map can undo.
     * every parameter is perturbed with small noise before export, so that no two parameters are
       bit-identical (zero biases, LayerNorm ones) and the value-based map is unambiguous.
 """
@@ -307,6 +310,7 @@ def torch_gradients(model_name: str, mode: str) -> tuple[float, dict[str, np.nda
     values = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
     loss = module(*batch)
     loss.backward()
+    loss = loss.detach()
     grads = {n: p.grad.numpy().copy() for n, p in module.named_parameters() if p.grad is not None}
     return float(loss), grads, values
 
@@ -326,6 +330,10 @@ def _bn_train_translation():
         return y, rm, rv, rm, rv
 
     return {torch.ops.aten._native_batch_norm_legit_functional.default: bn_train}
+
+
+# Legacy eval-mode constant folding would merge several parameters into derived constants.
+_NO_FOLDING = frozenset({"cnn", "lstm"})
 
 
 def _has_bn(module: nn.Module) -> bool:
@@ -377,9 +385,9 @@ def export(model_name: str, exporter: str, mode: str, path: str) -> tuple[str, s
         elif exporter == "legacy":
             training = (torch.onnx.TrainingMode.TRAINING if mode == "train_p0"
                         else torch.onnx.TrainingMode.EVAL)
+            fold = mode == "eval" and model_name not in _NO_FOLDING
             torch.onnx.export(module, batch, path, input_names=names, output_names=[LOSS],
-                              dynamo=False, training=training,
-                              do_constant_folding=mode != "train_p0")
+                              dynamo=False, training=training, do_constant_folding=fold)
         else:
             raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
     proto = onnx.load(path)

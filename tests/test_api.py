@@ -165,3 +165,24 @@ def test_cli_check_fails_on_a_wrong_rule(tmp_path, monkeypatch):
 def test_console_script_runs():
     result = subprocess.run([sys.executable, "-m", "gradgraph.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "gradgraph" in result.stdout
+
+
+def test_old_opset_model_is_converted():
+    """Gemm at opset 10 (onnxruntime-training's #18344) is upgraded to 13, then differentiated."""
+    model = parser.parse_model("""
+<ir_version: 7, opset_import: ["" : 10]>
+g (float[2, 3] x) => (float loss) <float[4, 3] W = {1.,2.,3.,4.,5.,6.,7.,8.,9.,1.,2.,3.}, float[4] b = {1.,2.,3.,4.}> {
+  y = Gemm<transB=1>(x, W, b)
+  t = Tanh(y)
+  loss = ReduceSum<keepdims=0>(t)
+}
+""")
+    with pytest.warns(UserWarning, match="opset 10"):
+        grad = gradgraph.build_gradient_graph(model, "loss", ["W", "b"])
+    x = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32) * 0.1
+    dw, db = _run(grad, {"x": x}, ["W_grad", "b_grad"])
+    tw = torch.tensor(onnx.numpy_helper.to_array(model.graph.initializer[0]), requires_grad=True)
+    tb = torch.tensor(onnx.numpy_helper.to_array(model.graph.initializer[1]), requires_grad=True)
+    torch.tanh(torch.tensor(x) @ tw.T + tb).sum().backward()
+    np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(db, tb.grad.numpy(), rtol=1e-5, atol=1e-6)

@@ -18,7 +18,6 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
@@ -79,6 +78,9 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model = MaskedLM(args.layers, args.hidden, args.vocab, args.seq).eval()
+    with torch.no_grad():  # fresh models have bit-identical parameters the exporter would merge
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
     batch = _batch(args.batch, args.seq, args.vocab)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: BERT {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "

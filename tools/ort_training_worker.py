@@ -22,12 +22,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
-import numpy as np
-import onnx
-import onnxruntime as ort
-from onnxruntime.capi import _pybind_state as C
+# `import onnxruntime` in the training build imports onnxruntime.training, which imports torch
+# (~5 s). Only onnxruntime.capi (InferenceSession, GradientGraphBuilder) is used here, and that
+# works without torch, so keep torch out.
+sys.modules.setdefault("torch", None)
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnxruntime.capi import _pybind_state as C  # noqa: E402
 
 
 def _session(model_bytes: bytes) -> ort.InferenceSession:
@@ -47,9 +53,21 @@ def _load_inputs(path: str) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
+def _summary(message: str) -> str:
+    """The gist of an onnxruntime error: without source paths and C++ signatures."""
+    text = " ".join(message.split())
+    # ORT_ENFORCE: "<file>:<line> <return type> <function>(<params>) [const] <condition> was false. <msg>"
+    found = re.match(r"^\S+:\d+ (?:\S+ )?([\w:]+)\([^)]*\)(?: const)? (.*)$", text)
+    if found:
+        function = found.group(1).split("::")[-2:]
+        text = f"{'::'.join(function)}: {found.group(2)}"
+    return text[:500]
+
+
 def _error(stage: str, exc: BaseException) -> dict:
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    return {"ok": False, "stage": stage, "error": f"{type(exc).__name__}: {' | '.join(lines)[:2000]}"}
+    return {"ok": False, "stage": stage, "summary": _summary(str(exc)),
+            "error": f"{type(exc).__name__}: {' | '.join(lines)[:2000]}"}
 
 
 def _run(model_bytes: bytes, feeds: dict[str, np.ndarray], outputs: list[str], out: str) -> dict:

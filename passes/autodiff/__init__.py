@@ -4,7 +4,13 @@ from passes.autodiff import rules  # noqa: F401  (registers every rule)
 from passes.autodiff.builder import GradBuilder, NodeView, Var
 from passes.autodiff.engine import GradientBuilder, GradientOptions, build_gradient
 from passes.autodiff.errors import GradientError
-from passes.autodiff.registry import GradRule, grad_rule, lookup, non_differentiable, registered_rules
+from passes.autodiff.registry import (
+    GradRule,
+    grad_rule,
+    lookup,
+    non_differentiable,
+    registered_rules,
+)
 
 __all__ = [
     "GradBuilder",

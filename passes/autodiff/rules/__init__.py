@@ -4,10 +4,12 @@ from passes.autodiff.rules import (  # noqa: F401
     control,
     conv,
     elementwise,
+    extra,
     linalg,
     nn,
     nondiff,
     recurrent,
     reduce,
+    resize,
     shape,
 )

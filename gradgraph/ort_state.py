@@ -1,0 +1,123 @@
+"""Held tensors as OrtValues, and graphs run against them through IOBinding.
+
+A :class:`StateStore` keeps one OrtValue per held tensor on the session's device, plus a
+spare of the same shape for each tensor a graph updates. A :class:`GraphRunner` binds the
+current values as inputs and the spares as the ``X.out`` outputs, runs, then swaps them:
+weights and optimizer state never travel through host memory between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from passes.optimizer_pass import TrainingNames
+
+# onnxruntime optimizers that must not run on training graphs (real dropout must stay).
+DISABLED_OPTIMIZERS = ("EliminateDropout",)
+
+
+class StateStore:
+    """Named OrtValues on one device, each with a lazily created spare for double buffering."""
+
+    def __init__(self, device: str = "cpu", device_id: int = 0) -> None:
+        self.device = device
+        self.device_id = device_id
+        self.values: dict[str, ort.OrtValue] = {}
+        self._spares: dict[str, ort.OrtValue] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.values
+
+    def names(self) -> list[str]:
+        return list(self.values)
+
+    def set(self, name: str, array: np.ndarray) -> None:
+        array = np.array(array, order="C", copy=None)
+        self.values[name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
+        self._spares.pop(name, None)
+
+    def get(self, name: str) -> np.ndarray:
+        return np.array(self.values[name].numpy(), copy=True)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.values[name].shape())
+
+    def dtype(self, name: str) -> np.dtype:
+        return self.get_spec(name)[1]
+
+    def get_spec(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+        value = self.values[name]
+        return tuple(value.shape()), np.dtype(_NP_OF_ORT[value.data_type()])
+
+    def spare(self, name: str) -> ort.OrtValue:
+        spare = self._spares.get(name)
+        if spare is None:
+            shape, dtype = self.get_spec(name)
+            spare = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device,
+                                                              self.device_id)
+            self._spares[name] = spare
+        return spare
+
+    def swap(self, name: str) -> None:
+        self.values[name], self._spares[name] = self._spares[name], self.values[name]
+
+
+_NP_OF_ORT = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
+    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+}
+
+
+class GraphRunner:
+    """One onnxruntime session whose held inputs come from, and return to, a StateStore."""
+
+    def __init__(self, model: onnx.ModelProto, held: set[str], names: TrainingNames,
+                 sess_options: ort.SessionOptions | None, providers: Sequence[Any] | None,
+                 provider_options: Sequence[dict[str, Any]] | None) -> None:
+        self.session = ort.InferenceSession(
+            model.SerializeToString(), sess_options, providers=providers,
+            provider_options=provider_options, disabled_optimizers=list(DISABLED_OPTIMIZERS))
+        inputs = [i.name for i in self.session.get_inputs()]
+        outputs = [o.name for o in self.session.get_outputs()]
+        self.input_types = {i.name: i.type for i in self.session.get_inputs()}
+        self.held_inputs = [n for n in inputs if n in held]
+        self.feed_names = [n for n in inputs if n not in held]
+        self.updates = {n: names.updated(n) for n in self.held_inputs
+                        if names.updated(n) in outputs}
+        updated = set(self.updates.values())
+        self.fetchable = [n for n in outputs if n not in updated]
+
+    def run(self, store: StateStore, feeds: Mapping[str, Any], fetches: Sequence[str]) -> dict[str, np.ndarray]:
+        missing = [n for n in self.feed_names if n not in feeds]
+        if missing:
+            raise ValueError(f"missing feeds {missing} (the graph needs {self.feed_names})")
+        unknown = [n for n in fetches if n not in self.fetchable]
+        if unknown:
+            raise ValueError(f"cannot fetch {unknown}; this graph outputs {self.fetchable}")
+        binding = self.session.io_binding()
+        for name in self.held_inputs:
+            binding.bind_ortvalue_input(name, store.values[name])
+        kept = []  # host arrays must outlive the run
+        for name in self.feed_names:
+            value = feeds[name]
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+                continue
+            array = np.array(value, dtype=_NP_OF_ORT.get(self.input_types[name]), order="C", copy=None)
+            kept.append(array)
+            binding.bind_cpu_input(name, array)
+        for name, out in self.updates.items():
+            binding.bind_ortvalue_output(out, store.spare(name))
+        for name in fetches:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        results = binding.get_outputs()[len(self.updates):]
+        for name in self.updates:
+            store.swap(name)
+        return {name: value.numpy() for name, value in zip(fetches, results, strict=True)}

@@ -1,0 +1,142 @@
+"""``TrainingParameters``: the reference's (onnxruntime.TrainingParameters) properties.
+
+Properties that gradgraph implements are turned into a :class:`TrainingConfig` by
+:meth:`TrainingParameters.to_config`; those that ask for something not implemented
+(mixed precision, distributed or pipeline training, recompute) raise
+``NotImplementedError`` naming the property, instead of being ignored.
+
+Optimizer names: the reference's ``SGDOptimizer``, ``AdamOptimizer``, ``LambOptimizer``, or
+gradgraph's ``sgd``, ``adam``, ``adamw``, ``lamb``. ``optimizer_attributes_map`` maps a weight
+name to float attributes; the reference's keys ``alpha`` (beta1), ``beta`` (beta2),
+``lambda`` (weight decay) and ``epsilon`` are translated, gradgraph field names pass through.
+``optimizer_int_attributes_map`` accepts ``do_bias_correction`` (LAMB) and
+``weight_decay_mode`` (Adam: 1 = decoupled, i.e. AdamW). As in the reference, global
+gradient-norm clipping (``enable_grad_norm_clip``, on by default; threshold ``max_grad_norm``,
+a gradgraph extension defaulting to 1.0) applies to Adam and LAMB, not SGD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from gradgraph.training import TrainingConfig
+from passes.optimizer_pass import TrainingNames
+from passes.optimizers import ParamGroup, config_type
+
+_REFERENCE_OPTIMIZERS = {"sgdoptimizer": "sgd", "adamoptimizer": "adam", "lamboptimizer": "lamb"}
+_ATTRIBUTE_ALIASES = {"alpha": "beta1", "beta": "beta2", "lambda": "weight_decay", "epsilon": "eps"}
+_INT_ALIASES = {"do_bias_correction": "bias_correction"}
+# Reference default: clip the global gradient norm to this value when clipping is enabled.
+DEFAULT_MAX_GRAD_NORM = 1.0
+
+# property -> value that means "feature off"; anything else raises NotImplementedError.
+_UNSUPPORTED = {
+    "use_mixed_precision": False, "use_fp16_moments": False, "loss_scale": 0.0,
+    "world_size": 1, "world_rank": 0, "data_parallel_size": 1, "horizontal_parallel_size": 1,
+    "pipeline_parallel_size": 1, "num_pipeline_micro_batches": 1, "deepspeed_zero_stage": 0,
+    "enable_adasum": False, "allreduce_post_accumulation": False, "attn_dropout_recompute": False,
+    "gelu_recompute": False, "transformer_layer_recompute": False, "number_recompute_layers": 0,
+    "use_memory_efficient_gradient": False, "pipeline_cut_info_string": "",
+}
+
+
+class TrainingParameters:
+    """Configuration for :class:`gradgraph.TrainingSession` (reference-compatible properties)."""
+
+    def __init__(self) -> None:
+        self.weights_to_train: set[str] = set()
+        self.weights_not_to_train: set[str] = set()
+        self.immutable_weights: dict[str, Any] = {}
+        self.loss_output_name = ""
+        self.training_optimizer_name = "AdamOptimizer"
+        self.lr_params_feed_name = "Learning_Rate"
+        self.optimizer_attributes_map: dict[str, dict[str, float]] = {}
+        self.optimizer_int_attributes_map: dict[str, dict[str, int]] = {}
+        self.gradient_accumulation_steps = 1
+        self.enable_grad_norm_clip = True
+        self.set_gradients_as_graph_outputs = False
+        self.model_after_graph_transforms_path = ""
+        self.model_with_gradient_graph_path = ""
+        self.model_with_training_graph_path = ""
+        self.propagate_cast_ops_level = -1
+        self.propagate_cast_ops_allow: list[str] = []
+        self.sliced_schema: dict[str, list[int]] = {}
+        self.sliced_axes: dict[str, int] = {}
+        self.sliced_tensor_names: list[str] = []
+        # gradgraph extensions
+        self.max_grad_norm = DEFAULT_MAX_GRAD_NORM
+        self.param_groups: tuple[ParamGroup, ...] = ()
+        self.optimizer_initial_state: dict[str, dict[str, np.ndarray]] = {}
+        for name, off in _UNSUPPORTED.items():
+            setattr(self, name, off)
+
+    def set_optimizer_initial_state(self, state: dict[str, dict[str, Any]]) -> None:
+        """Initial optimizer state, laid out like ``TrainingSession.get_optimizer_state()``."""
+        self.optimizer_initial_state = {k: dict(v) for k, v in state.items()}
+
+    def _check_supported(self) -> None:
+        for name, off in _UNSUPPORTED.items():
+            if getattr(self, name) != off:
+                raise NotImplementedError(
+                    f"TrainingParameters.{name}={getattr(self, name)!r} is not supported by "
+                    f"gradgraph yet (leave it at {off!r}); "
+                    + ("mixed precision training does not exist yet" if "mixed" in name or "fp16" in name
+                       or "loss_scale" in name else "only single-process training is implemented"))
+
+    def _optimizer(self) -> tuple[Any, tuple[ParamGroup, ...]]:
+        name = self.training_optimizer_name or "AdamOptimizer"
+        key = _REFERENCE_OPTIMIZERS.get(name.lower(), name.lower())
+        ints = {k: v for attrs in self.optimizer_int_attributes_map.values() for k, v in attrs.items()}
+        if key == "adam" and ints.get("weight_decay_mode") == 1:
+            key = "adamw"
+        cls = config_type(key)
+        fields = {f.name for f in dataclasses.fields(cls)}
+
+        def translate(attrs: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+            out = {}
+            for k, v in attrs.items():
+                field = aliases.get(k, k)
+                if field in fields:
+                    out[field] = type(getattr(cls(), field))(v)
+                elif k not in ("weight_decay_mode", "max_norm_clip"):
+                    raise ValueError(f"optimizer attribute {k!r} does not apply to {cls.__name__}")
+            return out
+
+        per_weight = {}
+        for weight in set(self.optimizer_attributes_map) | set(self.optimizer_int_attributes_map):
+            per_weight[weight] = {**translate(self.optimizer_attributes_map.get(weight, {}), _ATTRIBUTE_ALIASES),
+                                  **translate(self.optimizer_int_attributes_map.get(weight, {}), _INT_ALIASES)}
+        # Defaults from the attributes shared by every weight; the rest become exact-name groups.
+        shared = {}
+        if per_weight:
+            first = next(iter(per_weight.values()))
+            shared = {k: v for k, v in first.items() if all(a.get(k) == v for a in per_weight.values())}
+        base = cls(**shared)
+        groups = tuple(ParamGroup((w,), {k: v for k, v in a.items() if shared.get(k) != v})
+                       for w, a in sorted(per_weight.items()) if any(shared.get(k) != v for k, v in a.items()))
+        return base, groups + tuple(self.param_groups)
+
+    def to_config(self) -> TrainingConfig:
+        self._check_supported()
+        if not self.loss_output_name:
+            raise ValueError("TrainingParameters.loss_output_name must name the loss output")
+        if self.immutable_weights:
+            raise NotImplementedError("TrainingParameters.immutable_weights is not supported; "
+                                      "list such weights in weights_not_to_train")
+        optimizer, groups = self._optimizer()
+        # The reference clips for Adam and LAMB only.
+        clip = self.enable_grad_norm_clip and optimizer.name != "sgd"
+        return TrainingConfig(
+            loss=self.loss_output_name,
+            optimizer=optimizer,
+            weights_to_train=tuple(sorted(self.weights_to_train)) or None,
+            weights_not_to_train=tuple(sorted(self.weights_not_to_train)),
+            groups=groups,
+            accumulation_steps=int(self.gradient_accumulation_steps),
+            max_grad_norm=float(self.max_grad_norm) if clip else None,
+            keep_gradient_outputs=bool(self.set_gradients_as_graph_outputs),
+            names=TrainingNames(learning_rate=self.lr_params_feed_name),
+        )

@@ -1,0 +1,227 @@
+"""TrainingSession: train an ONNX model in stock onnxruntime.
+
+Weights, running statistics, optimizer state, the step counter and accumulation buffers are
+OrtValues on the session's device (see :mod:`gradgraph.ort_state`); each step binds them
+through IOBinding and swaps them with the updated outputs. With ``accumulation_steps = N``,
+micro-steps 1..N-1 run the accumulate graph and micro-step N the training graph, which also
+applies the optimizer.
+
+Dropout is real in training (onnxruntime's EliminateDropout is disabled) and off in eval.
+Its random stream is onnxruntime's and is not part of checkpoints: resuming is bit-identical
+for models without active dropout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from gradgraph.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from gradgraph.io import save_model
+from gradgraph.ort_state import GraphRunner, StateStore
+from gradgraph.parameters import TrainingParameters
+from gradgraph.training import TrainingArtifacts, TrainingConfig, build_training_artifacts, inference_model
+
+MICRO_STEP_KEY = "micro_step"
+_DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+def _provider_names(providers: Sequence[Any] | None) -> list[Any]:
+    if providers:
+        return list(providers)
+    available = ort.get_available_providers()
+    return [p for p in _DEFAULT_PROVIDERS if p in available]
+
+
+def _device_of(providers: Sequence[Any]) -> tuple[str, int]:
+    first = providers[0]
+    name, opts = (first, {}) if isinstance(first, str) else (first[0], first[1])
+    if name == "CUDAExecutionProvider":
+        return "cuda", int(opts.get("device_id", 0))
+    if name != "CPUExecutionProvider":
+        raise ValueError(f"provider {name!r} is not supported (use CUDAExecutionProvider or CPU)")
+    return "cpu", 0
+
+
+class TrainingSession:
+    """``TrainingSession(path_or_bytes, parameters, sess_options=None, providers=None, provider_options=None)``.
+
+    ``parameters`` is a :class:`TrainingParameters` (reference-compatible) or a
+    :class:`TrainingConfig`. ``train_step`` / ``run`` do one micro-step, ``eval_step`` runs the
+    eval graph on the current weights.
+    """
+
+    def __init__(self, path_or_bytes: str | os.PathLike | bytes | onnx.ModelProto,
+                 parameters: TrainingParameters | TrainingConfig,
+                 sess_options: ort.SessionOptions | None = None,
+                 providers: Sequence[Any] | None = None,
+                 provider_options: Sequence[dict[str, Any]] | None = None, *,
+                 save_stages: str | os.PathLike | None = None) -> None:
+        if isinstance(parameters, TrainingParameters):
+            config = parameters.to_config()
+            initial_optimizer_state = parameters.optimizer_initial_state
+        else:
+            config, initial_optimizer_state = parameters, {}
+        self.config = config
+        self.names = config.names
+        self.artifacts: TrainingArtifacts = build_training_artifacts(
+            path_or_bytes, config, save_stages=save_stages)
+        self.providers = _provider_names(providers)
+        device, device_id = _device_of(self.providers)
+        self.store = StateStore(device, device_id)
+        self._init_state()
+        held = set(self.store.names())
+        args = (held, self.names, sess_options, self.providers, provider_options)
+        art = self.artifacts
+        self._train = GraphRunner(art.train, *args)
+        self._accumulate = GraphRunner(art.accumulate, *args) if art.accumulate is not None else None
+        self._eval = GraphRunner(art.eval, *args)
+        self.micro_step = 0
+        self.learning_rate: float | None = None
+        if initial_optimizer_state:
+            self._load_optimizer_state(initial_optimizer_state)
+
+    # ---- state --------------------------------------------------------------------------
+    def _init_state(self) -> None:
+        art, names = self.artifacts, self.names
+        for name in art.params:
+            self.store.set(name, art.initial[name])
+        for w, states in art.optimizer_state.items():
+            for s in states:
+                self.store.set(names.state(w, s), np.zeros_like(art.initial[w]))
+        self.store.set(names.step, np.zeros((), np.int64))
+        if art.accumulate is not None:
+            for w in art.trained:
+                self.store.set(names.buffer(w), np.zeros_like(art.initial[w]))
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates applied so far."""
+        return int(self.store.get(self.names.step))
+
+    def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict[str, dict[str, np.ndarray]]:
+        return {"full_precision": {n: self.store.get(n) for n in self.artifacts.params}}
+
+    def get_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
+        names = self.names
+        state: dict[str, dict[str, np.ndarray]] = {
+            w: {s: self.store.get(names.state(w, s)) for s in states}
+            for w, states in self.artifacts.optimizer_state.items()}
+        state["shared_optimizer_state"] = {"step": self.store.get(names.step)}
+        return state
+
+    def _load_optimizer_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        flat = {}
+        for w, entries in state.items():
+            for s, value in entries.items():
+                flat[self.names.step if w == "shared_optimizer_state" else self.names.state(w, s)] = value
+        self.load_state(flat, strict=False)
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        """Every held tensor by its graph input name, plus ``micro_step``."""
+        state = {n: self.store.get(n) for n in self.store.names()}
+        state[MICRO_STEP_KEY] = np.array(self.micro_step, np.int64)
+        return state
+
+    def load_state(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Load tensors by name; ``strict`` requires exactly the names of ``get_state()``."""
+        known = set(self.store.names()) | {MICRO_STEP_KEY}
+        unknown = sorted(set(state) - known)
+        missing = sorted(known - set(state))
+        if strict and (unknown or missing):
+            raise CheckpointError(f"state does not match the session: missing {missing}, "
+                                  f"unexpected {unknown}")
+        checked: dict[str, np.ndarray] = {}
+        for name, value in state.items():
+            if name not in known:
+                continue
+            array = np.asarray(value)
+            if name == MICRO_STEP_KEY:
+                steps = self.config.accumulation_steps
+                if array.shape != () or not 0 <= int(array) < steps:
+                    raise CheckpointError(f"{MICRO_STEP_KEY} must be a scalar in [0, {steps}); got {array}")
+                continue
+            shape, dtype = self.store.get_spec(name)
+            if array.shape != shape or array.dtype != dtype:
+                raise CheckpointError(f"tensor {name!r} has shape {list(array.shape)} and dtype "
+                                      f"{array.dtype}; the session holds {list(shape)} {dtype}")
+            checked[name] = array
+        for name, array in checked.items():
+            self.store.set(name, array)
+        if MICRO_STEP_KEY in state:
+            self.micro_step = int(np.asarray(state[MICRO_STEP_KEY]))
+
+    # ---- steps --------------------------------------------------------------------------
+    def train_step(self, feeds: Mapping[str, Any], lr: float | None = None,
+                   fetches: Sequence[str] = ()) -> float | tuple[float, dict[str, np.ndarray]]:
+        """One micro-step; returns the loss, or ``(loss, {name: array})`` when ``fetches`` is given."""
+        names = self.names
+        feeds = dict(feeds)
+        steps = self.config.accumulation_steps
+        applying = self.micro_step + 1 == steps
+        if steps > 1:
+            feeds[names.reset] = np.array(self.micro_step == 0)
+        runner = self._train if applying else self._accumulate
+        if applying:
+            lr = lr if lr is not None else feeds.get(names.learning_rate, self.learning_rate)
+            if lr is None:
+                raise ValueError(f"no learning rate: pass lr=, feed {names.learning_rate!r} or "
+                                 "set session.learning_rate")
+            feeds[names.learning_rate] = np.asarray(lr, np.float32).reshape(())
+        else:
+            feeds.pop(names.learning_rate, None)
+        loss = self.config.loss
+        wanted = [loss] + [f for f in fetches if f != loss]
+        out = runner.run(self.store, feeds, wanted)
+        self.micro_step = 0 if applying else self.micro_step + 1
+        value = float(np.asarray(out[loss]).reshape(-1)[0]) if out[loss].size == 1 else float("nan")
+        return (value, out) if fetches else value
+
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
+        """Reference-compatible: one training micro-step returning ``output_names``."""
+        names = list(output_names or [self.config.loss])
+        _, out = self.train_step(input_feed, fetches=names)
+        return [out[n] for n in names]
+
+    def eval_step(self, feeds: Mapping[str, Any], fetches: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run the eval graph (Dropout off, BatchNorm inference) on the current weights."""
+        wanted = list(fetches) if fetches is not None else list(self.artifacts.outputs)
+        return self._eval.run(self.store, feeds, wanted)
+
+    # ---- files --------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike, user_dict: Mapping[str, Any] | None = None) -> None:
+        """Write every held tensor (safetensors) and metadata (JSON) atomically to ``path``."""
+        state = self.get_state()
+        meta = {"step": self.step, "micro_step": self.micro_step,
+                "optimizer": self.config.optimizer.name,
+                "accumulation_steps": self.config.accumulation_steps,
+                "model": self.artifacts.params, "user": dict(user_dict or {})}
+        write_checkpoint(path, state, meta)
+
+    def load_checkpoint(self, path: str | os.PathLike, strict: bool = True) -> dict[str, Any]:
+        """Load a checkpoint written by ``save_checkpoint``; returns its ``user_dict``."""
+        tensors, meta = read_checkpoint(path)
+        if strict and meta.get("optimizer") != self.config.optimizer.name:
+            raise CheckpointError(f"checkpoint {str(path)!r} was written with optimizer "
+                                  f"{meta.get('optimizer')!r}, the session uses {self.config.optimizer.name!r}")
+        try:
+            self.load_state(tensors, strict=strict)
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {exc}") from exc
+        return dict(meta.get("user", {}))
+
+    def inference_model(self) -> onnx.ModelProto:
+        """The eval model with the current weights as initializers."""
+        return inference_model(self.artifacts, self.get_model_state()["full_precision"])
+
+    def export_inference_model(self, path: str | os.PathLike) -> None:
+        save_model(self.inference_model(), path)
+
+    def get_providers(self) -> list[str]:
+        return self._train.session.get_providers()

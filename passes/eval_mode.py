@@ -1,0 +1,32 @@
+"""EvalModePass: the inference form of a training-mode forward graph.
+
+1. Dropout loses its ``training_mode`` input (inference Dropout is the identity);
+2. BatchNormalization gets ``training_mode = 0`` and only its ``Y`` output (running
+   statistics are read, not updated); its extra outputs must be unused.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+
+class EvalModePass(InPlacePass):
+    def call(self, model: ir.Model) -> PassResult:
+        modified = False
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2] is not None:
+                node.resize_inputs(2)
+                modified = True
+            elif node.op_type == "BatchNormalization" and node.attributes.get_int("training_mode", 0):
+                for extra in node.outputs[1:]:
+                    if extra.uses() or extra.is_graph_output():
+                        raise ValueError(
+                            f"BatchNormalization {node.name!r}: running-statistic output "
+                            f"{extra.name!r} is used, cannot switch it to inference mode")
+                node.attributes["training_mode"] = ir.AttrInt64("training_mode", 0)
+                node.resize_outputs(1)
+                modified = True
+        return PassResult(model, modified)

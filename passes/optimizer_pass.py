@@ -1,0 +1,179 @@
+"""OptimizerPass: turn a model with gradient outputs into one training step (or micro-step).
+
+The trained weights must already be graph inputs (see ``ParamsToInputsPass``). Given the
+gradient values from ``GradientPass``:
+
+1. the gradient outputs are removed from the graph outputs (unless ``keep_gradient_outputs``);
+2. with ``accumulation_steps = N > 1``: inputs ``<w>_grad.accumulation.buffer`` and the bool
+   scalar ``lazy_reset_grad`` are added, ``acc = reset ? g : buffer + g``.
+   An *accumulate* graph (``apply=False``) outputs ``acc`` as ``<w>_grad.accumulation.out``
+   and stops; an *apply* graph uses ``g = acc / N`` (mean over the micro-batches);
+3. with ``max_grad_norm``: global L2 norm clipping with torch.nn.utils.clip_grad_norm_
+   semantics, ``g *= min(1, max_norm / (norm + clip_eps))``; the norm is output as
+   ``global_gradient_norm``;
+4. inputs ``learning_rate`` (float scalar) and ``step`` (int64 scalar, updates done so far),
+   and per trained weight its optimizer state ``<w>.<state>``; the optimizer rule emits the
+   new weight ``<w>.out``, new state ``<w>.<state>.out`` and ``step.out = step + 1``.
+
+Every state input ``X`` that changes has the output ``X.out``; runtimes bind one to the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from passes.autodiff.builder import GradBuilder, Var
+from passes.optimizers import ParamGroup, StepScalars, resolve, rule_for
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingNames:
+    """Names of the inputs and outputs a training graph adds (ORT suffixes where ORT has one)."""
+
+    learning_rate: str = "learning_rate"
+    step: str = "step"
+    out_suffix: str = ".out"
+    buffer_suffix: str = "_grad.accumulation.buffer"
+    buffer_out_suffix: str = "_grad.accumulation.out"
+    reset: str = "lazy_reset_grad"
+    grad_norm: str = "global_gradient_norm"
+
+    def out(self, name: str) -> str:
+        return name + self.out_suffix
+
+    def state(self, weight: str, state: str) -> str:
+        return f"{weight}.{state}"
+
+    def buffer(self, weight: str) -> str:
+        return weight + self.buffer_suffix
+
+    def updated(self, name: str) -> str:
+        """The output that holds the next value of state input ``name``."""
+        if name.endswith(self.buffer_suffix):
+            return name[: -len(self.buffer_suffix)] + self.buffer_out_suffix
+        return self.out(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """Everything the optimizer part of a training graph depends on."""
+
+    optimizer: Any
+    groups: tuple[ParamGroup, ...] = ()
+    accumulation_steps: int = 1
+    # Global L2 gradient-norm clipping threshold; None disables clipping.
+    max_grad_norm: float | None = None
+    # torch.nn.utils.clip_grad_norm_ divides by (total_norm + clip_eps).
+    clip_eps: float = 1e-6
+    keep_gradient_outputs: bool = False
+    names: TrainingNames = TrainingNames()
+
+    def __post_init__(self) -> None:
+        if self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1 (got {self.accumulation_steps})")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 (got {self.max_grad_norm})")
+
+
+class OptimizerPass(InPlacePass):
+    def __init__(self, settings: OptimizerSettings, gradients: Mapping[str, ir.Value],
+                 apply: bool = True) -> None:
+        super().__init__()
+        self.settings = settings
+        self.gradients = dict(gradients)
+        self.apply = apply
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 13)
+        b = GradBuilder(opset, dict(model.opset_imports))
+        b.prefix = "optimizer"
+        s, names = self.settings, self.settings.names
+        inputs = {v.name: v for v in graph.inputs}
+        weights = sorted(self.gradients)
+        missing = [w for w in weights if w not in inputs]
+        if missing:
+            raise ValueError(f"trained weights {missing} must be graph inputs before OptimizerPass")
+        grads: dict[str, Var] = {}
+        for w in weights:
+            value = self.gradients[w]
+            if not s.keep_gradient_outputs and value in graph.outputs:
+                graph.outputs.remove(value)
+            grads[w] = b.wrap(value)
+        outputs: list[ir.Value] = []
+
+        def add_input(name: str, like: ir.Value | None, dtype: ir.DataType | None = None) -> Var:
+            value = ir.Value(name=name, type=ir.TensorType(dtype) if dtype else like.type,
+                             shape=ir.Shape([]) if dtype else like.shape)
+            graph.inputs.append(value)
+            return b.wrap(value)
+
+        def add_output(var: Var, name: str, like: ir.Value | None = None) -> None:
+            value = var.value
+            owned = value.producer() is not None and any(value.producer() is n for n in b.nodes)
+            if not owned or value.is_graph_input() or value.is_graph_output():
+                value = b.Identity(var).value
+            value.name = name
+            if like is not None:
+                value.type, value.shape = like.type, like.shape
+            else:  # the only unlike output is the float scalar gradient norm
+                value.type, value.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
+            outputs.append(value)
+
+        if s.accumulation_steps > 1:
+            reset = add_input(names.reset, None, ir.DataType.BOOL)
+            for w in weights:
+                buf = add_input(names.buffer(w), inputs[w])
+                grads[w] = b.Where(reset, grads[w], buf + grads[w])
+                if not self.apply:
+                    add_output(grads[w], w + names.buffer_out_suffix, inputs[w])
+                else:
+                    grads[w] = grads[w] * (1.0 / s.accumulation_steps)
+        if self.apply:
+            if s.max_grad_norm is not None:
+                self._clip(b, grads, add_output)
+            lr = add_input(names.learning_rate, None, ir.DataType.FLOAT)
+            step = add_input(names.step, None, ir.DataType.INT64)
+            sc = StepScalars(b, lr, step)
+            for w in weights:
+                cfg, lr_scale = resolve(s.optimizer, s.groups, w)
+                state = {k: add_input(names.state(w, k), inputs[w]) for k in cfg.state_names()}
+                new_w, new_state = rule_for(cfg)(b, cfg, b.wrap(inputs[w]), grads[w], state, sc,
+                                                 lr_scale)
+                add_output(new_w, names.out(w), inputs[w])
+                for k, v in new_state.items():
+                    add_output(v, names.out(names.state(w, k)), inputs[w])
+            add_output(b.Add(step, 1), names.out(names.step), step.value)
+        _uniquify(graph, b.nodes)
+        graph.extend(b.nodes)
+        graph.outputs.extend(outputs)
+        return PassResult(model, True)
+
+    def _clip(self, b: GradBuilder, grads: dict[str, Var], add_output: Any) -> None:
+        s = self.settings
+        f32 = ir.DataType.FLOAT
+        squares = [b.cast_to(b.reduce("ReduceSumSquare", g, None, keepdims=0), f32)
+                   for g in grads.values()]
+        total = b.Sqrt(squares[0] if len(squares) == 1 else b.Sum(*squares))
+        coef = b.Min(b.const(s.max_grad_norm, f32) / (total + s.clip_eps), b.const(1.0, f32))
+        for w, g in grads.items():
+            grads[w] = g * b.cast_to(coef, g.dtype)
+        add_output(total, s.names.grad_norm)
+
+
+def _uniquify(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Rename new nodes' values whose names the graph already uses (builder constants)."""
+    taken = {v.name for v in graph.inputs} | set(graph.initializers)
+    taken |= {o.name for n in graph for o in n.outputs if o.name}
+    for node in nodes:
+        for out in node.outputs:
+            if out.name in taken:
+                out.name = f"optimizer/{out.name}"
+                if node.name and node.name.startswith("gradgraph_const_"):
+                    node.name = f"optimizer/{node.name}"
+            taken.add(out.name)

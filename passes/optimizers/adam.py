@@ -1,0 +1,72 @@
+"""Adam and AdamW (torch.optim.Adam / AdamW semantics, bias-corrected, eps outside the sqrt).
+
+Per weight ``w`` with gradient ``g``, learning rate ``lr`` and 1-based step ``t``:
+
+1. Adam: ``g = g + weight_decay * w`` (coupled); AdamW: ``w = w * (1 - lr * weight_decay)``;
+2. ``m = m + (1 - beta1) * (g - m)``; ``v = beta2 * v + (1 - beta2) * g * g``;
+3. ``denom = sqrt(v) / sqrt(1 - beta2 ** t) + eps``;
+4. ``w = w - lr / (1 - beta1 ** t) * m / denom``.
+
+Step scalars (bias corrections, ``lr / bc1``) are computed in float64 like torch's Python floats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from passes.autodiff.builder import GradBuilder, Var
+from passes.optimizers.base import StepScalars, optimizer_rule
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamConfig:
+    name: ClassVar[str] = "adam"
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
+            raise ValueError(f"betas must lie in [0, 1) (got {self.beta1}, {self.beta2})")
+        if self.eps < 0 or self.weight_decay < 0:
+            raise ValueError(f"eps and weight_decay must be >= 0 (got {self.eps}, {self.weight_decay})")
+
+    @property
+    def decoupled(self) -> bool:
+        return False
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig(AdamConfig):
+    name: ClassVar[str] = "adamw"
+    weight_decay: float = 1e-2
+
+    @property
+    def decoupled(self) -> bool:
+        return True
+
+
+def adam_update(b: GradBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[str, Var],
+                sc: StepScalars, lr_scale: float) -> tuple[Var, dict[str, Var]]:
+    dt = w.dtype
+    lr64 = sc.lr64(lr_scale)
+    if cfg.weight_decay and cfg.decoupled:
+        w = w * sc.cast(b.Sub(b.const(1.0, lr64.dtype), lr64 * cfg.weight_decay), dt)
+    elif cfg.weight_decay:
+        g = g + w * cfg.weight_decay
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m = m + (g - m) * (1.0 - cfg.beta1)
+    v = v * cfg.beta2 + g * g * (1.0 - cfg.beta2)
+    bc2_sqrt = sc.cast(b.Sqrt(sc.bias_correction(cfg.beta2)), dt)
+    step_size = sc.cast(lr64 / sc.bias_correction(cfg.beta1), dt)
+    denom = b.Sqrt(v) / bc2_sqrt + cfg.eps
+    return w - step_size * (m / denom), {"exp_avg": m, "exp_avg_sq": v}
+
+
+optimizer_rule(AdamConfig)(adam_update)
+optimizer_rule(AdamWConfig)(adam_update)

@@ -1,0 +1,129 @@
+"""Shared pieces of the optimizer rules: the rule registry, parameter groups and step scalars.
+
+An optimizer rule is one function ``update(b, config, w, g, state, scalars, lr)`` that
+appends the update of one weight to the builder ``b`` (a ``GradBuilder``) and returns
+``(new_weight, {state name: new value})``. Scalars that depend only on the step
+(bias corrections) are computed once per graph in float64 and cast to each weight's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.autodiff.builder import GradBuilder, Var
+
+F64 = ir.DataType.DOUBLE
+
+
+class OptimizerConfig(Protocol):
+    """A frozen dataclass of hyper-parameters with a registered update rule."""
+
+    name: str
+
+    def state_names(self) -> tuple[str, ...]: ...
+
+
+UpdateFn = Callable[..., tuple[Var, dict[str, Var]]]
+_RULES: dict[type, UpdateFn] = {}
+_CONFIGS: dict[str, type] = {}
+
+
+def optimizer_rule(config_type: type) -> Callable[[UpdateFn], UpdateFn]:
+    """Register ``fn`` as the update rule of ``config_type`` (keyed by type and by its name)."""
+
+    def register(fn: UpdateFn) -> UpdateFn:
+        _RULES[config_type] = fn
+        _CONFIGS[config_type.name] = config_type
+        return fn
+
+    return register
+
+
+def rule_for(config: Any) -> UpdateFn:
+    fn = _RULES.get(type(config))
+    if fn is None:
+        raise ValueError(f"no optimizer rule for {type(config).__name__}; known: {sorted(_CONFIGS)}")
+    return fn
+
+
+def config_type(name: str) -> type:
+    """The config class registered under ``name`` ('sgd', 'adam', 'adamw', 'lamb')."""
+    try:
+        return _CONFIGS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {name!r}; known: {sorted(_CONFIGS)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroup:
+    """Hyper-parameter overrides for the weights whose names match any of ``patterns``.
+
+    Patterns are shell-style (``fnmatch``), e.g. ``("*.bias", "*LayerNorm*")``; the first
+    matching group wins. ``overrides`` names fields of the optimizer config
+    (``{"weight_decay": 0.0}``); ``lr_scale`` multiplies the learning rate input.
+    """
+
+    patterns: tuple[str, ...]
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    lr_scale: float = 1.0
+
+    def matches(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+
+def resolve(config: Any, groups: tuple[ParamGroup, ...], name: str) -> tuple[Any, float]:
+    """The config and learning-rate scale that apply to weight ``name``."""
+    for group in groups:
+        if group.matches(name):
+            return dataclasses.replace(config, **dict(group.overrides)), group.lr_scale
+    return config, 1.0
+
+
+class StepScalars:
+    """Scalars shared by every weight's update, built once per graph.
+
+    ``step`` is the int64 count of updates already applied; ``t = step + 1`` is the
+    1-based step that torch.optim uses for bias correction.
+    """
+
+    def __init__(self, b: GradBuilder, lr: Var, step: Var) -> None:
+        self.b = b
+        self.lr = lr
+        self.step = step
+        self._cache: dict[Any, Var] = {}
+
+    def _cached(self, key: Any, make: Callable[[], Var]) -> Var:
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    @property
+    def t64(self) -> Var:
+        return self._cached("t64", lambda: self.b.Cast(self.b.Add(self.step, 1), to=int(F64)))
+
+    @property
+    def first_step(self) -> Var:
+        return self._cached("first", lambda: self.b.Equal(self.step, 0))
+
+    def lr64(self, scale: float = 1.0) -> Var:
+        def make() -> Var:
+            lr = self.b.Cast(self.lr, to=int(F64))
+            return lr if scale == 1.0 else lr * self.b.const(np.float64(scale))
+        return self._cached(("lr64", scale), make)
+
+    def bias_correction(self, beta: float) -> Var:
+        """``1 - beta ** t`` in float64."""
+        b = self.b
+        return self._cached(("bc", beta),
+                            lambda: b.Sub(b.const(np.float64(1.0)),
+                                          b.Pow(b.const(np.float64(beta)), self.t64)))
+
+    def cast(self, value: Var, dtype: ir.DataType) -> Var:
+        """``value`` (a float64 scalar) in ``dtype``, cast once."""
+        return self._cached(("cast", id(value), dtype), lambda: self.b.Cast(value, to=int(dtype)))

@@ -1,0 +1,36 @@
+"""ParamsToInputsPass: make named initializers graph inputs (held and fed by the runtime).
+
+1. each named initializer is removed from the initializers and appended to the graph inputs,
+   keeping its type and shape; its value is recorded in ``self.values`` (numpy) and dropped;
+2. names that are not initializers are left alone (they may already be inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+
+class ParamsToInputsPass(InPlacePass):
+    def __init__(self, names: Sequence[str]) -> None:
+        super().__init__()
+        self.names = list(names)
+        self.values: dict[str, np.ndarray] = {}
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        modified = False
+        for name in self.names:
+            value = graph.initializers.get(name)
+            if value is None:
+                continue
+            self.values[name] = value.const_value.numpy().copy()
+            graph.initializers.pop(name)
+            value.const_value = None
+            if not value.is_graph_input():
+                graph.inputs.append(value)
+            modified = True
+        return PassResult(model, modified)

@@ -1,0 +1,102 @@
+"""One-op fixtures and gradient oracles shared by test_rules_conv.py and test_rules_resize.py.
+
+A fixture is one op followed by ``loss = sum(y * R)`` with a fixed random ``R``
+(``fdcheck.with_weighted_loss``), so every element of the output gradient differs.
+
+Oracles: ``fdcheck`` (float64 central differences; onnxruntime, or the ONNX reference
+evaluator where onnxruntime has no float64 kernel), :func:`assert_linear_fd` for ops that
+are linear in each input (a unit-step central difference in onnxruntime float32 itself is
+exact up to rounding and follows onnxruntime's conventions where the reference evaluator
+differs), and torch float64 autograd (:func:`assert_matches_torch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import fdcheck
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 19
+# Gradient graph (float32, onnxruntime) vs torch float64 autograd.
+TORCH_ATOL, TORCH_RTOL = 1e-4, 1e-4
+# assert_linear_fd: exact for linear ops with a unit step; float32 rounding only.
+LINEAR_STEP = 1.0
+LINEAR_ELEMENTS = 32
+LINEAR_ATOL, LINEAR_RTOL = 1e-4, 1e-4
+
+
+def make_model(op: str, inputs: Mapping[str, tuple[int | str, ...]], attrs: Mapping, *, opset: int = OPSET,
+               outputs: Sequence[str] = ("y",), consts: Mapping[str, np.ndarray] | None = None,
+               node_inputs: Sequence[str] | None = None,
+               fixed: Mapping[str, np.ndarray] | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """``op`` on float32 graph ``inputs`` and initializers ``consts``, plus the loss.
+
+    Feeds are random except the ``fixed`` ones (required for inputs with symbolic dims). ``node_inputs`` orders the op's inputs
+    ("" for an absent optional one); by default the graph inputs, then the constants.
+    """
+    consts = dict(consts or {})
+    rng = np.random.default_rng(len(inputs) + sum(map(len, inputs.values())))
+    fixed = dict(fixed or {})
+    feeds = {k: fixed[k] if k in fixed else rng.standard_normal(s).astype(np.float32)
+             for k, s in inputs.items()}
+    order = list(node_inputs) if node_inputs is not None else list(inputs) + list(consts)
+    node = helper.make_node(op, order, list(outputs), **attrs)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(k, TensorProto.FLOAT, s) for k, s in inputs.items()],
+        [helper.make_tensor_value_info(outputs[0], TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+    y_shape = fdcheck.session(model).run([outputs[0]], feeds)[0].shape
+    return fdcheck.with_weighted_loss(model, {outputs[0]: y_shape}), feeds
+
+
+def loss_weight(model: onnx.ModelProto) -> np.ndarray:
+    init = next(t for t in model.graph.initializer if t.name.startswith("fdcheck_w_"))
+    return numpy_helper.to_array(init)
+
+
+def onnx_grads(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], wrt=None) -> dict[str, np.ndarray]:
+    return fdcheck.analytic_gradients(model, list(wrt or feeds), feeds)
+
+
+def assert_fd(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], wrt=None) -> None:
+    reports = fdcheck.compare_gradients(model, list(wrt or feeds), feeds, fdcheck.FLOAT32_TOL)
+    assert all(r.ok and r.checked for r in reports), fdcheck.describe(reports)
+
+
+def assert_linear_fd(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], wrt=None, *,
+                     step: float = LINEAR_STEP) -> None:
+    """Gradient graph vs ``sum((y(x + step e_k) - y(x - step e_k)) * R) / (2 step)``, y in float32."""
+    weight = loss_weight(model).astype(np.float64)
+    run = fdcheck.session(model).run
+    rng = np.random.default_rng(0)
+    for name, got in onnx_grads(model, feeds, wrt).items():
+        x = feeds[name]
+        assert got.shape == x.shape, name
+        for k in rng.choice(x.size, size=min(LINEAR_ELEMENTS, x.size), replace=False):
+            ys = []
+            for sign in (1, -1):
+                bumped = x.copy().reshape(-1)
+                bumped[k] += sign * step
+                ys.append(run(["y"], {**feeds, name: bumped.reshape(x.shape)})[0].astype(np.float64))
+            numeric = float(np.sum((ys[0] - ys[1]) * weight)) / (2 * step)
+            assert abs(got.reshape(-1)[k] - numeric) <= LINEAR_ATOL + LINEAR_RTOL * abs(numeric), (
+                f"{name}[{k}]: analytic {got.reshape(-1)[k]:.7g} vs numeric {numeric:.7g}")
+
+
+def torch_grads(fn: Callable, feeds: Mapping[str, np.ndarray], weight: np.ndarray) -> dict[str, np.ndarray]:
+    """Gradients of sum(fn(**inputs) * weight) in float64."""
+    ts = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in feeds.items()}
+    (fn(**ts) * torch.tensor(weight, dtype=torch.float64)).sum().backward()
+    return {k: t.grad.numpy() for k, t in ts.items()}
+
+
+def assert_matches_torch(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fn: Callable) -> None:
+    ours, theirs = onnx_grads(model, feeds), torch_grads(fn, feeds, loss_weight(model))
+    for name in feeds:
+        np.testing.assert_allclose(ours[name], theirs[name], atol=TORCH_ATOL, rtol=TORCH_RTOL,
+                                   err_msg=name)

@@ -1,0 +1,186 @@
+"""Checkpoints, state dicts, the reference-compatible API and the inference export."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from _training_models import MLP, export_training, mlp_batches, run_torch
+
+from gradgraph import TrainingConfig, TrainingParameters, TrainingSession
+from gradgraph.checkpoint import CheckpointError
+from passes.optimizers import AdamWConfig, SGDConfig
+
+LR = 0.05
+CPU = ["CPUExecutionProvider"]
+REPO = Path(__file__).resolve().parents[1]
+KILL_WAIT_S = 120
+
+
+@pytest.fixture(scope="module")
+def mlp_model() -> bytes:
+    torch.manual_seed(0)
+    feeds = mlp_batches(1)[0]
+    return export_training(MLP(), (torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["y"])), ["x", "y"])
+
+
+def _session(model: bytes, accumulate: int = 2) -> TrainingSession:
+    return TrainingSession(model, TrainingConfig("loss", AdamWConfig(), accumulation_steps=accumulate,
+                                                 max_grad_norm=1.0), providers=CPU)
+
+
+def _assert_same_state(a: TrainingSession, b: TrainingSession) -> None:
+    sa, sb = a.get_state(), b.get_state()
+    assert sorted(sa) == sorted(sb)
+    for name in sa:
+        assert np.array_equal(sa[name], sb[name]), name
+
+
+def test_resume_is_bit_identical(mlp_model: bytes, tmp_path: Path) -> None:
+    batches = mlp_batches(12)
+    full = _session(mlp_model)
+    for f in batches:
+        full.train_step(f, lr=LR)
+    first = _session(mlp_model)
+    for f in batches[:7]:  # mid-accumulation: 3 updates and one buffered micro-step
+        first.train_step(f, lr=LR)
+    first.save_checkpoint(tmp_path / "ckpt.safetensors", {"epoch": 3})
+    resumed = _session(mlp_model)
+    assert resumed.load_checkpoint(tmp_path / "ckpt.safetensors") == {"epoch": 3}
+    assert (resumed.step, resumed.micro_step) == (3, 1)
+    for f in batches[7:]:
+        resumed.train_step(f, lr=LR)
+    _assert_same_state(full, resumed)
+
+
+def test_strict_load_errors(mlp_model: bytes) -> None:
+    session = _session(mlp_model)
+    state = session.get_state()
+    missing = dict(state)
+    del missing["fc1.weight.exp_avg"]
+    with pytest.raises(CheckpointError, match="fc1.weight.exp_avg"):
+        session.load_state(missing, strict=True)
+    session.load_state(missing, strict=False)
+    bad = dict(state)
+    bad["fc2.weight"] = np.zeros((3, 3), np.float32)
+    with pytest.raises(CheckpointError, match=r"fc2.weight.*shape \[3, 3\]"):
+        session.load_state(bad, strict=False)
+    with pytest.raises(CheckpointError, match="unexpected"):
+        session.load_state({**state, "nope": np.zeros(1)}, strict=True)
+
+
+def test_missing_checkpoint_file(mlp_model: bytes, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        _session(mlp_model).load_checkpoint(tmp_path / "none.safetensors")
+    (tmp_path / "junk").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a gradgraph checkpoint"):
+        _session(mlp_model).load_checkpoint(tmp_path / "junk")
+
+
+_CHILD = """
+import os, sys, time
+sys.path[:0] = [{repo!r}, {tests!r}]
+from _training_models import mlp_batches
+from gradgraph import TrainingConfig, TrainingSession
+from passes.optimizers import AdamWConfig
+s = TrainingSession({model!r}, TrainingConfig("loss", AdamWConfig(), accumulation_steps=2,
+                    max_grad_norm=1.0), providers=["CPUExecutionProvider"])
+batches = mlp_batches(12)
+for f in batches[:7]:
+    s.train_step(f, lr={lr!r})
+s.save_checkpoint({ckpt!r})
+for f in batches[7:10]:
+    s.train_step(f, lr={lr!r})
+def hang(fd):
+    open({marker!r}, "w").close()
+    time.sleep(600)
+os.fsync = hang
+s.save_checkpoint({ckpt!r})
+"""
+
+
+def test_sigkill_while_writing_keeps_previous_checkpoint(mlp_model: bytes, tmp_path: Path) -> None:
+    model_path, ckpt, marker = tmp_path / "mlp.onnx", tmp_path / "ckpt.safetensors", tmp_path / "marker"
+    model_path.write_bytes(mlp_model)
+    code = _CHILD.format(repo=str(REPO), tests=str(REPO / "tests"), model=str(model_path),
+                         ckpt=str(ckpt), marker=str(marker), lr=LR)
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + KILL_WAIT_S
+        while not marker.exists():
+            assert child.poll() is None, "the child exited before writing its second checkpoint"
+            assert time.monotonic() < deadline, "the child never reached the second write"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert any(p.name.startswith(".ckpt.safetensors.") for p in tmp_path.iterdir())  # torn temp file
+    batches = mlp_batches(12)
+    resumed = _session(mlp_model)
+    resumed.load_checkpoint(ckpt)
+    assert (resumed.step, resumed.micro_step) == (3, 1)
+    for f in batches[7:]:
+        resumed.train_step(f, lr=LR)
+    full = _session(mlp_model)
+    for f in batches:
+        full.train_step(f, lr=LR)
+    _assert_same_state(full, resumed)
+
+
+def test_inference_model_matches_eval(mlp_model: bytes, tmp_path: Path) -> None:
+    session = _session(mlp_model, accumulate=1)
+    for f in mlp_batches(4):
+        session.train_step(f, lr=LR)
+    feeds = mlp_batches(1, seed=7)[0]
+    session.export_inference_model(tmp_path / "trained.onnx")
+    infer = ort.InferenceSession(str(tmp_path / "trained.onnx"), providers=CPU)
+    assert [i.name for i in infer.get_inputs()] == ["x", "y"]
+    np.testing.assert_array_equal(infer.run(["loss"], feeds)[0], session.eval_step(feeds)["loss"])
+
+
+def test_reference_compatible_api(mlp_model: bytes) -> None:
+    params = TrainingParameters()
+    params.loss_output_name = "loss"
+    params.training_optimizer_name = "AdamOptimizer"
+    params.enable_grad_norm_clip = False
+    names = ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    params.optimizer_attributes_map = {n: {"alpha": 0.8, "beta": 0.99, "lambda": 0.0, "epsilon": 1e-7}
+                                       for n in names}
+    session = TrainingSession(mlp_model, params, None, CPU)
+    initial = session.get_model_state()["full_precision"]
+    batches = mlp_batches(10)
+    ours = [float(session.run(["loss"], {**f, "Learning_Rate": np.array([LR], np.float32)})[0])
+            for f in batches]
+    module = MLP()
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()})
+    ref = run_torch(module, torch.optim.Adam(module.parameters(), lr=LR, betas=(0.8, 0.99), eps=1e-7), batches)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5)
+    opt = session.get_optimizer_state()
+    assert set(opt) == set(names) | {"shared_optimizer_state"}
+    assert int(opt["shared_optimizer_state"]["step"]) == 10
+    assert set(opt["fc1.weight"]) == {"exp_avg", "exp_avg_sq"}
+
+
+def test_unsupported_parameters_raise(mlp_model: bytes) -> None:
+    params = TrainingParameters()
+    params.loss_output_name = "loss"
+    params.use_mixed_precision = True
+    with pytest.raises(NotImplementedError, match="mixed precision"):
+        TrainingSession(mlp_model, params)
+
+
+def test_missing_learning_rate(mlp_model: bytes) -> None:
+    session = TrainingSession(mlp_model, TrainingConfig("loss", SGDConfig()), providers=CPU)
+    with pytest.raises(ValueError, match="no learning rate"):
+        session.train_step(mlp_batches(1)[0])
+    session.learning_rate = LR
+    assert np.isfinite(session.train_step(mlp_batches(1)[0]))

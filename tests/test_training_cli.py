@@ -1,0 +1,66 @@
+"""``gradgraph train`` (gradgraph.train_cli): a run, a resumed run, the loss curve."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _training_models import MLP, export_training, mlp_batches
+
+from gradgraph.checkpoint import read_checkpoint
+from gradgraph.schedules import Schedule
+from gradgraph.train_cli import CHECKPOINT_NAME, CURVE_NAME, INFERENCE_NAME, add_parser, main
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    feeds = mlp_batches(1)[0]
+    model = export_training(MLP(), (torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["y"])), ["x", "y"])
+    (root / "mlp.onnx").write_bytes(model)
+    rows = mlp_batches(5, batch=8)
+    np.savez(root / "data.npz", **{k: np.concatenate([r[k] for r in rows]) for k in rows[0]})
+    return root / "mlp.onnx", root / "data.npz"
+
+
+def _args(model: Path, data: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return ["train", str(model), "--loss", "loss", "--data", str(data), "--optimizer", "adamw",
+            "--lr", "1e-2", "--steps", str(steps), "--batch-size", "8", "--accumulate", "2",
+            "--clip", "1.0", "--schedule", "cosine", "--warmup-steps", "2", "--checkpoint-dir",
+            str(out), "--quiet", *extra]
+
+
+def test_train_resume_matches_uninterrupted(files: tuple[Path, Path], tmp_path: Path) -> None:
+    model, data = files
+    assert main(_args(model, data, tmp_path / "full", 8)) == 0
+    assert main(_args(model, data, tmp_path / "part", 8, "--stop-at", "5")) == 0
+    assert main(_args(model, data, tmp_path / "part", 8, "--resume")) == 0
+    full, meta_full = read_checkpoint(tmp_path / "full" / CHECKPOINT_NAME)
+    part, meta_part = read_checkpoint(tmp_path / "part" / CHECKPOINT_NAME)
+    assert meta_full["step"] == meta_part["step"] == 8
+    assert meta_full["user"]["losses"] == meta_part["user"]["losses"]
+    for name in full:
+        assert np.array_equal(full[name], part[name]), name
+    for name in (CURVE_NAME, INFERENCE_NAME):
+        assert (tmp_path / "full" / name).stat().st_size > 0
+
+
+def test_add_parser_is_self_contained() -> None:
+    parser = argparse.ArgumentParser(prog="gradgraph")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train", "m.onnx", "--loss", "l", "--data", "d.npz", "--steps", "3",
+                              "--batch-size", "2"])
+    assert (args.optimizer, args.schedule, args.accumulate, args.clip) == ("adamw", "constant", 1, None)
+    assert callable(args.func)
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear-warmup", "cosine"])
+def test_schedules(kind: str) -> None:
+    s = Schedule(kind, 1.0, total_steps=10, warmup_steps=2)
+    assert s.lr_at(0) == pytest.approx(0.5)
+    assert s.lr_at(1) == pytest.approx(1.0)
+    assert s.lr_at(10) == pytest.approx(1.0 if kind == "constant" else 0.0)
