@@ -25,7 +25,12 @@ from gradgraph.checkpoint import CheckpointError, read_checkpoint, write_checkpo
 from gradgraph.io import save_model
 from gradgraph.ort_state import GraphRunner, StateStore
 from gradgraph.parameters import TrainingParameters
-from gradgraph.training import TrainingArtifacts, TrainingConfig, build_training_artifacts, inference_model
+from gradgraph.training import (
+    TrainingArtifacts,
+    TrainingConfig,
+    build_training_artifacts,
+    inference_model,
+)
 
 MICRO_STEP_KEY = "micro_step"
 _DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from passes.optimizers import config_type
-
 from gradgraph.schedules import KINDS, Schedule
+from passes.optimizers import config_type
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 CURVE_NAME = "loss.png"

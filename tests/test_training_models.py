@@ -95,7 +95,9 @@ def _bert_batches(n: int, seed: int = 5) -> list[dict]:
     for _ in range(n):
         mask = np.ones((2, 8), np.int64)
         mask[1, 6:] = 0
-        out.append({"input_ids": rng.integers(0, 64, (2, 8)).astype(np.int64), "attention_mask": mask,
+        # ids from 1: torch's Embedding(padding_idx=0) gives row 0 no gradient, the ONNX
+        # export (a plain Gather) does
+        out.append({"input_ids": rng.integers(1, 64, (2, 8)).astype(np.int64), "attention_mask": mask,
                     "labels": rng.integers(0, 3, 2).astype(np.int64)})
     return out
 
@@ -131,11 +133,11 @@ def test_tiny_bert(optimizer: str) -> None:
     initial = session.get_model_state()["full_precision"]
     for name, p in params.items():
         np.testing.assert_array_equal(initial[name], p.detach().numpy(), err_msg=name)
-    batches = _bert_batches(STEPS * 2)
+    batches = _bert_batches(STEPS * 2) if optimizer != "lamb" else _bert_batches(2) * STEPS
     ours = [session.train_step(f, lr=LR) for f in batches]
     assert np.all(np.isfinite(ours))
-    if optimizer == "lamb":
-        assert np.mean(ours[-4:]) < np.mean(ours[:4])
+    if optimizer == "lamb":  # fits two repeated batches
+        assert np.mean(ours[-4:]) < 0.95 * np.mean(ours[:4])
         return  # LAMB's numerics are checked against the float64 reference on the MLP
     ref = run_torch(module, opt, batches, accumulate=2, clip=1.0)
     _check(session, module, ours, ref)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from _training_models import MLP, assert_close_tensor, export_training, mlp_batches, run_torch
@@ -158,3 +159,18 @@ def test_dropout_is_real_in_training_and_off_in_eval() -> None:
     evals = [float(drop.eval_step(feeds)["loss"]) for _ in range(3)]
     assert evals == [evals[0]] * 3
     assert evals[0] == pytest.approx(float(nodrop.eval_step(feeds)["loss"]), rel=1e-6)
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                    reason="onnxruntime has no CUDAExecutionProvider here")
+def test_cuda_matches_cpu() -> None:
+    _, model = _mlp()
+    config = TrainingConfig("loss", AdamWConfig(), accumulation_steps=2, max_grad_norm=1.0)
+    cpu = TrainingSession(model, config, providers=CPU)
+    cuda = TrainingSession(model, config, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert cuda.store.device == "cuda"
+    batches = mlp_batches(10)
+    np.testing.assert_allclose([cuda.train_step(f, lr=LR) for f in batches],
+                               [cpu.train_step(f, lr=LR) for f in batches], rtol=1e-5)
+    for name, value in cpu.get_state().items():
+        assert_close_tensor(cuda.get_state()[name], value, name)

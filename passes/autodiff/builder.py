@@ -20,6 +20,8 @@ _BOOL_OPS = frozenset(
     {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor",
      "IsNaN", "IsInf"}
 )
+# First default-domain opset with CastLike.
+CASTLIKE_SINCE = 15
 
 
 def dims_equal(a: Any, b: Any) -> bool:
@@ -244,6 +246,8 @@ class GradBuilder:
         """Append one node; ``_like`` gives the dtype of Python-number inputs."""
         like = _like.dtype if _like is not None else _float_dtype(inputs)
         vars_ = [None if x is None else self._to_var(x, like) for x in inputs]
+        if op_type == "CastLike" and not _domain and self.opset < CASTLIKE_SINCE:
+            op_type, vars_, attrs = "Cast", vars_[:1], {"to": int(self._castlike_target(vars_[1]))}
         attributes = ir.convenience.convert_attributes(
             {k: v for k, v in attrs.items() if v is not None}
         )
@@ -257,6 +261,13 @@ class GradBuilder:
         self.nodes.append(node)
         wrapped = [self.wrap(o) for o in node.outputs]
         return wrapped[0] if _outputs == 1 else wrapped
+
+    @staticmethod
+    def _castlike_target(like: Var | None) -> ir.DataType:
+        """CastLike is opset 15+; below it becomes Cast to the (known) dtype of ``like``."""
+        if like is None or like.dtype is None:
+            raise ValueError(f"CastLike needs opset {CASTLIKE_SINCE} or a target of known dtype")
+        return like.dtype
 
     @staticmethod
     def _out_dtype(op_type: str, vars_: list[Var | None], attrs: dict[str, Any]) -> ir.DataType | None:
