@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from gradgraph import train_cli
 from passes.autodiff import GradientError
 
 
@@ -100,13 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(func=_cmd_check)
 
-    try:
-        train_cli = importlib.import_module("gradgraph.train_cli")
-    except ModuleNotFoundError as exc:
-        if exc.name != "gradgraph.train_cli":
-            raise
-    else:
-        train_cli.add_parser(sub)
+    train_cli.add_parser(sub)
     return parser
 
 

@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
             session.save_checkpoint(ckpt_dir / CHECKPOINT_NAME, {"losses": losses})
             save_curve(losses, ckpt_dir / CURVE_NAME)
 
-    bar = tqdm(total=args.steps, initial=session.step, disable=args.quiet, unit="step")
+    bar = tqdm(total=args.steps, initial=session.step, disable=args.quiet, unit="step",
+               mininterval=0.5 if sys.stderr.isatty() else 5.0)
     start, done = time.perf_counter(), 0
     micro = session.step * args.accumulate + session.micro_step
     last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
@@ -136,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
             micro += 1
         losses.append(float(np.mean(micro_losses)))
         done += 1
-        bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.4g}", lr=f"{lr:.3g}",
-                        steps_per_s=f"{done / (time.perf_counter() - start):.1f}")
+                        steps_per_s=f"{done / (time.perf_counter() - start):.1f}", refresh=False)
+        bar.update(1)
         if args.checkpoint_every and session.step % args.checkpoint_every == 0:
             checkpoint()
     bar.close()

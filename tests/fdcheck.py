@@ -108,7 +108,20 @@ class Mean(OpRun):
         return (np.asarray(sum(args) / len(args)).astype(args[0].dtype),)
 
 
-REFERENCE_OVERRIDES = [Erf, Mean]
+class Gelu(OpRun):
+    """float64-exact Gelu (the stock one is a function body whose Erf computes in float32)."""
+
+    op_domain = ""
+
+    def _run(self, x, approximate="none"):
+        if approximate == "tanh":
+            inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)
+            return ((0.5 * x * (1.0 + np.tanh(inner))).astype(x.dtype),)
+        erf = np.vectorize(math.erf, otypes=[np.float64])
+        return ((0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype),)
+
+
+REFERENCE_OVERRIDES = [Erf, Gelu, Mean]
 
 
 def reference_runner(model: onnx.ModelProto) -> Callable[[Sequence[str], Mapping[str, np.ndarray]], list]:

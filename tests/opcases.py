@@ -85,7 +85,11 @@ def forward_model(spec: Spec) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
                               inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", spec.opset)],
                               ir_version=IR_VERSION)
-    return onnx.shape_inference.infer_shapes(model, strict_mode=True), feeds
+    model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    for out in model.graph.output:
+        if not out.type.HasField("tensor_type"):  # ops without inference (function ops)
+            out.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(spec.dtype)
+    return model, feeds
 
 
 def float_outputs(model: onnx.ModelProto, wanted: Sequence[int] | None) -> list[str]:

@@ -12,19 +12,16 @@ are mapped by value (``model_zoo._map_parameters``); a parameter that appears se
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-ort = pytest.importorskip("onnxruntime")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import model_zoo as zoo  # noqa: E402
+import model_zoo as zoo  # noqa: E402 - imports torch
 
 from gradgraph.api import build_gradient_graph  # noqa: E402
 
@@ -113,6 +110,11 @@ def test_gradient_graph_is_valid_and_runs(zoo_cache, model, exporter, mode):
     assert all(o.domain in ("", "ai.onnx") for o in built.grad_model.opset_import if o.version)
     assert all(n.domain in ("", "ai.onnx") for n in built.grad_model.graph.node)
     np.testing.assert_allclose(built.outputs[zoo.LOSS], built.torch_loss, rtol=RTOL, atol=ATOL)
+    # The export keeps the mode: batch statistics in train mode, running statistics in eval.
+    for node in built.grad_model.graph.node:
+        if node.op_type == "BatchNormalization":
+            training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
+            assert training == (mode == "train_p0"), node.name
 
 
 @pytest.mark.parametrize(("model", "exporter", "mode"), CASES, ids=IDS)

@@ -10,16 +10,18 @@ from passes.autodiff.registry import grad_rule
 
 
 def _axes(b, n):
-    """The reduction axes as a list, a Var, or None (= all axes)."""
+    """The reduction axes: a list ([] = none, the no-op case), a Var, or None (= all axes)."""
+    noop = bool(n.attr("noop_with_empty_axes", 0))
     if n.attr("axes") is not None:
         return n.attr("axes")
     if n.has_input(1):
         const = n.const_input(1)
-        if const is not None:
-            return None if const.size == 0 and not n.attr("noop_with_empty_axes", 0) else [
-                int(a) for a in const.reshape(-1)]
-        return n.inputs[1]
-    return None
+        if const is None:
+            return n.inputs[1]
+        if const.size == 0:
+            return [] if noop else None
+        return [int(a) for a in const.reshape(-1)]
+    return [] if noop else None
 
 
 def _restore(b, n, v):
@@ -27,34 +29,35 @@ def _restore(b, n, v):
     if n.attr("keepdims", 1):
         return v
     axes = _axes(b, n)
-    if axes is None:
-        return v  # a scalar broadcasts against X
+    if axes is None or isinstance(axes, list) and not axes:
+        return v  # a scalar broadcasts against X; no axes reduced: same shape
     return b.Unsqueeze(v, axes)
 
 
-def _is_noop(n):
-    if not n.attr("noop_with_empty_axes", 0):
-        return False
-    if n.has_input(1):
-        const = n.const_input(1)
-        return const is not None and const.size == 0
-    return n.attr("axes") is None
+def _sum_back(b, n, v):
+    """ReduceSum ``v`` (X-shaped) over the reduction axes, keepdims, same no-op semantics."""
+    axes = _axes(b, n)
+    if isinstance(axes, list) and not axes:
+        return v
+    if axes is None or isinstance(axes, list):
+        return b.reduce("ReduceSum", v, axes, keepdims=1)
+    return b.ReduceSum(v, axes, keepdims=1, noop_with_empty_axes=n.attr("noop_with_empty_axes", 0))
 
 
 def _reduction(op_type: str, local):
-    """Register dX = Expand(restore(G)) * local(b, x, restore(Y), n)."""
+    """Register dX = Expand(restore(G)) * local(b, x, restore(Y), n).
+
+    An empty axes list with ``noop_with_empty_axes`` reduces over no axis: Y is the
+    elementwise version of the op (|x| for ReduceL1, x*x for ReduceSumSquare, ...).
+    """
 
     @grad_rule(op_type, diff_inputs=(0,))
     def rule(b, n, g):
         x = n.inputs[0]
-        if _is_noop(n):
-            return [g[0]]
         go = _restore(b, n, g[0])
         factor = local(b, x, lambda: _restore(b, n, n.outputs[0]), n)
-        d = b.Expand(go, b.Shape(x)) if factor is None else go * factor
-        if factor is not None:
-            d = b.Expand(d, b.Shape(x))
-        return [d]
+        d = go if factor is None else go * factor
+        return [b.Expand(d, b.Shape(x))]
 
     rule.__name__ = f"_{op_type.lower()}_grad"
     return rule
@@ -68,7 +71,7 @@ def _mean_factor(b, x, y, n):
 def _extreme_factor(b, x, y, n):
     """Ties share the gradient evenly (torch.amax/amin semantics)."""
     mask = b.CastLike(b.Equal(x, y()), x)
-    return mask / b.reduce("ReduceSum", mask, _axes(b, n), keepdims=1)
+    return mask / _sum_back(b, n, mask)
 
 
 def _l2_factor(b, x, y, n):

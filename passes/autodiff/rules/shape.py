@@ -86,8 +86,9 @@ def scatter_back(b, x, ids, go, *, unique=False):
     elif b.opset >= 16:
         out = b.ScatterElements(flat_zero, flat_ids_, flat_go, axis=0, reduction="add")
     else:
-        onehot = b.OneHot(flat_ids_, b.Reshape(b.Size(x), [1]), b.const(np.array([0.0, 1.0]), go.dtype))
-        out = b.MatMul(b.Unsqueeze(flat_go, [0]), onehot)
+        # float32 one-hot (onnxruntime has no OneHot kernel with float64 values), then go's dtype
+        onehot = b.OneHot(flat_ids_, b.Reshape(b.Size(x), [1]), b.const(np.array([0.0, 1.0], np.float32)))
+        out = b.MatMul(b.Unsqueeze(flat_go, [0]), b.cast_to(onehot, go.dtype))
     return b.Reshape(out, b.Shape(x))
 
 
@@ -110,8 +111,25 @@ def _selection(op_type: str, *, unique: bool, diff_inputs=(0,)) -> None:
 
 _selection("GatherElements", unique=False)
 _selection("GatherND", unique=False)
-_selection("DepthToSpace", unique=True)
-_selection("SpaceToDepth", unique=True)
+
+
+@grad_rule("SpaceToDepth")
+def _space_to_depth(b, n, g):
+    return [b.DepthToSpace(g[0], blocksize=n.attr("blocksize"), mode="DCR")]
+
+
+@grad_rule("DepthToSpace")
+def _depth_to_space(b, n, g):
+    """DCR is undone by SpaceToDepth; CRD by the inverse reshape-transpose-reshape."""
+    bs = n.attr("blocksize")
+    if n.attr("mode", "DCR") == "DCR":
+        return [b.SpaceToDepth(g[0], blocksize=bs)]
+    x, go = n.inputs[0], g[0]
+    # g: [N, C, H*bs, W*bs] -> [N, C, H, bs, W, bs] -> [N, C, bs, bs, H, W] -> x's shape
+    split = b.Concat(b.dim(go, 0), b.dim(go, 1), b.dim(x, 2), [bs], b.dim(x, 3), [bs], axis=0)
+    blocks = b.Transpose(b.Reshape(go, split), perm=[0, 1, 3, 5, 2, 4])
+    return [b.Reshape(blocks, b.Shape(x))]
+
 _selection("ReverseSequence", unique=True)
 
 
