@@ -2,7 +2,8 @@
 
 1. float32 graph inputs, outputs, initializers and intermediate values become float64;
 2. tensor attributes holding float32 (Constant, ConstantOfShape) are converted;
-3. dtype attributes that name float32 (Cast ``to``, Random* ``dtype``, EyeLike) name float64.
+3. dtype attributes that name float32 (Cast ``to``, Random* ``dtype``, EyeLike, the
+   ``stash_type`` of normalizations) name float64.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 F32, F64 = ir.DataType.FLOAT, ir.DataType.DOUBLE
-_DTYPE_ATTRS = ("to", "dtype")
+_DTYPE_ATTRS = ("to", "dtype", "stash_type")
 
 
 def _retype(value: ir.Value) -> bool:

@@ -4,12 +4,12 @@ from passes.autodiff.rules import (  # noqa: F401
     control,
     conv,
     elementwise,
-    extra,
     linalg,
     nn,
     nondiff,
     recurrent,
     reduce,
     resize,
+    sequence,
     shape,
 )

@@ -37,20 +37,49 @@ def _norm_input_grad(b, dxhat, xhat, inv_std, axes):
     return inv_std * (dxhat - mean_d - xhat * mean_dx)
 
 
+def _grad_of(b, g, k, like):
+    """The gradient of output ``k`` in ``like``'s dtype, or None."""
+    if len(g) <= k or g[k] is None:
+        return None
+    return b.cast_to(g[k], like.dtype)
+
+
+def _sum_parts(b, parts):
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else b.Sum(*parts)
+
+
+def _count(b, x, reduced):
+    """Elements per reduced group, as a scalar of ``x``'s dtype."""
+    return b.CastLike(b.Div(b.Size(x), b.Size(reduced)), x)
+
+
 @grad_rule("LayerNormalization", since=17)
 def _layer_norm(b, n, g):
+    """Y, and the Mean and InvStdDev outputs (keepdims-shaped) when they carry gradient."""
     x, scale = n.inputs[0], n.inputs[1]
     rank = x.rank
     axis = n.attr("axis", -1)
     axis = axis + rank if axis < 0 else axis
     axes = list(range(axis, rank))
     xhat, inv_std = _normalized(b, x, axes, n.attr("epsilon", 1e-5))
-    go = g[0]
-    if go is None:
-        return [None] * len(n.inputs)
-    dx = _norm_input_grad(b, go * scale, xhat, inv_std, axes) if n.needs_grad(0) else None
-    dscale = b.unbroadcast(go * xhat, n.outputs[0].shape, scale) if n.needs_grad(1) else None
-    dbias = b.unbroadcast(go, n.outputs[0].shape, n.inputs[2]) if n.needs_grad(2) else None
+    go, g_mean, g_inv_std = g[0], _grad_of(b, g, 1, x), _grad_of(b, g, 2, x)
+    dx = None
+    if n.needs_grad(0):
+        count = _count(b, x, inv_std)
+        dx = _sum_parts(b, [
+            _norm_input_grad(b, go * scale, xhat, inv_std, axes) if go is not None else None,
+            b.Expand(g_mean / count, b.Shape(x)) if g_mean is not None else None,
+            # d inv_std / dx = -inv_std^2 * xhat / count
+            -(g_inv_std * inv_std * inv_std) * xhat / count if g_inv_std is not None else None,
+        ])
+    dscale = dbias = None
+    if go is not None and n.needs_grad(1):
+        dscale = b.unbroadcast(go * xhat, n.outputs[0].shape, scale)
+    if go is not None and n.needs_grad(2):
+        dbias = b.unbroadcast(go, n.outputs[0].shape, n.inputs[2])
     return [dx, dscale, dbias]
 
 
@@ -63,26 +92,65 @@ def _sum_to_channel(b, v, rank):
     return b.reduce("ReduceSum", v, [0] + list(range(2, rank)), keepdims=0)
 
 
-@grad_rule("BatchNormalization", since=9, diff_inputs=(0, 1, 2))
+@grad_rule("BatchNormalization", since=9)
 def _batch_norm(b, n, g):
+    """Inference mode: Y of (x, scale, B, mean, var). Training mode: Y of batch statistics,
+    running_mean = mean * m + batch_mean * (1 - m), running_var likewise (population var)."""
+    x = n.inputs[0]
+    if any(_grad_of(b, g, k, x) is not None for k in (3, 4)):
+        raise ValueError("BatchNormalization gradient does not support the saved_mean/saved_var outputs")
+    if n.attr("training_mode", 0) or len(n.outputs) > 1 and n.opset < 14:
+        return _batch_norm_training(b, n, g)
+    return _batch_norm_inference(b, n, g)
+
+
+def _batch_norm_inference(b, n, g):
     x, scale, bias, mean, var = n.inputs[:5]
-    rank = x.rank
-    eps = n.attr("epsilon", 1e-5)
-    go = g[0]
+    rank, go = x.rank, g[0]
     if go is None:
         return [None] * 5
+    inv_std_c = b.Reciprocal(b.Sqrt(var + n.attr("epsilon", 1e-5)))
+    inv_std = _channel_view(b, inv_std_c, rank)
+    xhat = (x - _channel_view(b, mean, rank)) * inv_std
+    gs = go * _channel_view(b, scale, rank)
+    sum_g_xhat = _sum_to_channel(b, go * xhat, rank) if n.needs_grad(1) or n.needs_grad(4) else None
+    return [
+        gs * inv_std if n.needs_grad(0) else None,
+        sum_g_xhat if n.needs_grad(1) else None,
+        _sum_to_channel(b, go, rank) if n.needs_grad(2) else None,
+        -(_sum_to_channel(b, gs, rank) * inv_std_c) if n.needs_grad(3) else None,
+        # dY/dvar = -0.5 * scale * xhat * inv_std^2
+        (-0.5) * scale * inv_std_c * inv_std_c * sum_g_xhat if n.needs_grad(4) else None,
+    ]
+
+
+def _batch_norm_training(b, n, g):
+    x, scale = n.inputs[0], n.inputs[1]
+    rank, go = x.rank, g[0]
     axes = [0] + list(range(2, rank))
-    s = _channel_view(b, scale, rank)
-    if n.attr("training_mode", 0) or len(n.outputs) > 1 and n.opset < 14:
-        xhat, inv_std = _normalized(b, x, axes, eps)
-        dx = _norm_input_grad(b, go * s, xhat, inv_std, axes) if n.needs_grad(0) else None
-    else:
-        inv_std = b.Reciprocal(b.Sqrt(_channel_view(b, var, rank) + eps))
-        xhat = (x - _channel_view(b, mean, rank)) * inv_std
-        dx = go * s * inv_std if n.needs_grad(0) else None
-    dscale = _sum_to_channel(b, go * xhat, rank) if n.needs_grad(1) else None
-    dbias = _sum_to_channel(b, go, rank) if n.needs_grad(2) else None
-    return [dx, dscale, dbias, None, None]
+    momentum = n.attr("momentum", 0.9)
+    g_mean, g_var = _grad_of(b, g, 1, x), _grad_of(b, g, 2, x)
+    xhat, inv_std = _normalized(b, x, axes, n.attr("epsilon", 1e-5))
+    dx = None
+    if n.needs_grad(0):
+        count = _count(b, x, scale)
+        centered = x - b.reduce("ReduceMean", x, axes, keepdims=1)
+        dx = _sum_parts(b, [
+            _norm_input_grad(b, go * _channel_view(b, scale, rank), xhat, inv_std, axes)
+            if go is not None else None,
+            b.Expand(_channel_view(b, g_mean, rank) * ((1.0 - momentum) / count), b.Shape(x))
+            if g_mean is not None else None,
+            _channel_view(b, g_var, rank) * centered * (2.0 * (1.0 - momentum) / count)
+            if g_var is not None else None,
+        ])
+    use = go is not None
+    return [
+        dx,
+        _sum_to_channel(b, go * xhat, rank) if use and n.needs_grad(1) else None,
+        _sum_to_channel(b, go, rank) if use and n.needs_grad(2) else None,
+        g_mean * momentum if g_mean is not None and n.needs_grad(3) else None,
+        g_var * momentum if g_var is not None and n.needs_grad(4) else None,
+    ]
 
 
 @grad_rule("InstanceNormalization")
