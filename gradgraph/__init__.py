@@ -5,10 +5,16 @@ from gradgraph.parameters import TrainingParameters
 from gradgraph.session import TrainingSession
 from gradgraph.training import TrainingConfig, build_training_artifacts
 from passes.autodiff import GradientError, GradientOptions, grad_rule
+from passes.optimizers import AdamConfig, AdamWConfig, LambConfig, ParamGroup, SGDConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdamConfig",
+    "AdamWConfig",
+    "LambConfig",
+    "ParamGroup",
+    "SGDConfig",
     "GradientError",
     "GradientGraphBuilder",
     "GradientOptions",

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,14 +36,13 @@ def _peak_rss_mb() -> float:
 
 
 def _time(step, warmup: int, reps: int) -> dict:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times)}
+    """The peer's own timing (common.time_steps): waits for a quiet machine, re-measures when
+    other processes used more than a quarter core during the timed loop; same for every peer."""
+    sys.path.insert(0, str(PEER))
+    import common  # noqa: PLC0415 - the peer's module, found at run time
+
+    timing, _ = common.time_steps(step, warmup=warmup, repeat=reps)
+    return {k: timing[k] for k in ("median_ms", "min_ms", "other_cores", "attempts")}
 
 
 def _peer_models():

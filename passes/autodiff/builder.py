@@ -20,8 +20,17 @@ _BOOL_OPS = frozenset(
     {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor",
      "IsNaN", "IsInf"}
 )
-# First default-domain opset with CastLike.
+# First default-domain opsets with CastLike, and with Reshape's allowzero.
 CASTLIKE_SINCE = 15
+RESHAPE_ALLOWZERO_SINCE = 14
+
+
+def _is_literal_shape(shape: Var | None, opset: int) -> bool:
+    """``shape`` is a ``Shape`` output (no -1; a 0 means 0) and Reshape has ``allowzero``."""
+    if shape is None or opset < RESHAPE_ALLOWZERO_SINCE:
+        return False
+    producer = shape.value.producer()
+    return producer is not None and producer.op_type == "Shape" and producer.domain == ""
 
 
 def dims_equal(a: Any, b: Any) -> bool:
@@ -248,6 +257,8 @@ class GradBuilder:
         vars_ = [None if x is None else self._to_var(x, like) for x in inputs]
         if op_type == "CastLike" and not _domain and self.opset < CASTLIKE_SINCE:
             op_type, vars_, attrs = "Cast", vars_[:1], {"to": int(self._castlike_target(vars_[1]))}
+        if op_type == "Reshape" and not _domain and _is_literal_shape(vars_[1], self.opset):
+            attrs = {**attrs, "allowzero": 1}  # a 0 in a Shape output is a real 0 (empty tensor)
         attributes = ir.convenience.convert_attributes(
             {k: v for k, v in attrs.items() if v is not None}
         )

@@ -242,8 +242,15 @@ def _per_sample_grad(b, n, go, w):
     return go * w / b.ReduceSum(w, keepdims=0)
 
 
-def _one_hot(b, labels, classes, like):
-    return b.OneHot(labels, b.Reshape(classes, [1]), b.const(np.array([0.0, 1.0]), like.dtype), axis=1)
+def _subtract_at_labels(b, dense, labels, amount):
+    """``dense`` with ``amount`` subtracted at each sample's label position along axis 1.
+
+    Equivalent to ``dense - one_hot(labels) * amount`` without materializing the one-hot
+    (N x C, large for vocabulary-sized C): gather the label entries, scatter them back changed.
+    """
+    idx = b.Unsqueeze(labels, [1])
+    at_label = b.GatherElements(dense, idx, axis=1)
+    return b.ScatterElements(dense, idx, at_label - b.Unsqueeze(amount, [1]), axis=1)
 
 
 @grad_rule("SoftmaxCrossEntropyLoss", since=12, diff_inputs=(0,))
@@ -251,11 +258,11 @@ def _softmax_ce(b, n, g):
     scores, labels = n.inputs[0], b.Cast(n.inputs[1], to=7)
     w, safe = _class_weights(b, n, labels, 2, n.attr("ignore_index"), scores)
     probs = b.Softmax(scores, axis=1)
-    onehot = _one_hot(b, safe, b.dim(scores, 1), scores)
     dscore = None
     if g[0] is not None:
+        # (softmax - one_hot(label)) * factor, per sample
         factor = _per_sample_grad(b, n, g[0], w)
-        dscore = (probs - onehot) * b.Unsqueeze(factor, [1])
+        dscore = _subtract_at_labels(b, probs * b.Unsqueeze(factor, [1]), safe, factor)
     if len(g) > 1 and g[1] is not None:
         # log_prob = LogSoftmax(scores, axis=1)
         dlog = g[1] - probs * b.ReduceSum(g[1], [1], keepdims=1)
@@ -267,6 +274,5 @@ def _softmax_ce(b, n, g):
 def _nll(b, n, g):
     x, labels = n.inputs[0], b.Cast(n.inputs[1], to=7)
     w, safe = _class_weights(b, n, labels, 2, n.attr("ignore_index"), x)
-    onehot = _one_hot(b, safe, b.dim(x, 1), x)
     factor = _per_sample_grad(b, n, g[0], w)
-    return [-(onehot * b.Unsqueeze(factor, [1])), None, None]
+    return [_subtract_at_labels(b, b.zeros_like(x), safe, factor), None, None]
