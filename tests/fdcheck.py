@@ -22,6 +22,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
+from onnx.reference.ops.op_conv_transpose import ConvTranspose as StockConvTranspose
 
 from gradgraph.api import build_gradient_graph
 from passes.to_double import ToDoublePass
@@ -143,7 +144,43 @@ class LayerNormalization(OpRun):
         return y.astype(x.dtype), mean.astype(x.dtype), inv_std.astype(x.dtype)
 
 
-REFERENCE_OVERRIDES = [Erf, Gelu, LayerNormalization, Mean, Softsign]
+class ConvTranspose(StockConvTranspose):
+    """Grouped ConvTranspose as one ungrouped call per group (the stock grouping is broken)."""
+
+    op_domain = ""
+
+    def _run(self, x, w, bias=None, group=None, **attrs):
+        group = group or 1
+        if group == 1:
+            return super()._run(x, w, bias, group=1, **attrs)
+        xs, ws = np.split(x, group, axis=1), np.split(w, group, axis=0)
+        y = np.concatenate([super(ConvTranspose, self)._run(xg, wg, None, group=1, **attrs)[0]
+                            for xg, wg in zip(xs, ws)], axis=1)
+        if bias is not None:
+            y = y + bias.reshape((1, -1) + (1,) * (y.ndim - 2))
+        return (y.astype(x.dtype),)
+
+
+class GlobalMaxPool(OpRun):
+    """Max over the spatial axes (the stock kernel drops the channel axis)."""
+
+    op_domain = ""
+
+    def _run(self, x):
+        return (x.max(axis=tuple(range(2, x.ndim)), keepdims=True),)
+
+
+class GlobalAveragePool(OpRun):
+    """Mean over the spatial axes, keeping N and C."""
+
+    op_domain = ""
+
+    def _run(self, x):
+        return (x.mean(axis=tuple(range(2, x.ndim)), keepdims=True).astype(x.dtype),)
+
+
+REFERENCE_OVERRIDES = [ConvTranspose, Erf, Gelu, GlobalAveragePool, GlobalMaxPool, LayerNormalization,
+                       Mean, Softsign]
 
 
 def reference_runner(model: onnx.ModelProto) -> Callable[[Sequence[str], Mapping[str, np.ndarray]], list]:

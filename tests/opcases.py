@@ -38,21 +38,37 @@ class Spec:
     kind: str = "grad"
     # A check of its own (for ops central differences cannot see, e.g. random masks).
     custom: Callable[[Spec], None] | None = None
+    # Nodes after the op (reading y0..yk) and the graph outputs, for ops that need company
+    # (sequence ops); None: the op's outputs are the graph outputs.
+    extra_nodes: tuple[onnx.NodeProto, ...] = ()
+    graph_outputs: tuple[str, ...] | None = None
+    # Values the graph holds that are not inputs of the op's node (read by subgraphs or
+    # by ``extra_nodes``).
+    side_inputs: list[tuple[str, np.ndarray]] = dataclasses.field(default_factory=list)
+
+    @property
+    def op_types(self) -> set[str]:
+        return {self.op} | {n.op_type for n in self.extra_nodes}
+
+    def all_inputs(self) -> list[tuple[str, np.ndarray | None]]:
+        return list(self.inputs) + list(self.side_inputs)
 
     def array(self, name: str) -> np.ndarray:
-        return dict(self.inputs)[name]
+        return dict(self.all_inputs())[name]
 
     @property
     def dtype(self) -> np.dtype:
-        floats = [v.dtype for k, v in self.inputs if v is not None and k in self.wrt]
+        floats = [v.dtype for k, v in self.all_inputs() if v is not None and k in self.wrt]
         return np.dtype(floats[0]) if floats else np.dtype(np.float32)
 
     def with_dtype(self, dtype: np.dtype) -> Spec:
         """The same spec with every input of the spec's float dtype converted to ``dtype``."""
         old = self.dtype
-        inputs = [(k, v.astype(dtype) if v is not None and v.dtype == old else v)
-                  for k, v in self.inputs]
-        return dataclasses.replace(self, inputs=inputs)
+
+        def convert(pairs):
+            return [(k, v.astype(dtype) if v is not None and v.dtype == old else v) for k, v in pairs]
+
+        return dataclasses.replace(self, inputs=convert(self.inputs), side_inputs=convert(self.side_inputs))
 
     def describe(self) -> str:
         shapes = ", ".join(f"{k}{list(v.shape)}:{v.dtype}" if v is not None else "-"
@@ -68,10 +84,10 @@ def forward_model(spec: Spec) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The one-node model (outputs y0..yk typed by inference) and its feeds."""
     names, graph_inputs, inits, feeds = [], [], [], {}
     for name, arr in spec.inputs:
+        names.append("" if arr is None else name)
+    for name, arr in spec.all_inputs():
         if arr is None:
-            names.append("")
             continue
-        names.append(name)
         if name in spec.wrt or name in spec.dynamic:
             graph_inputs.append(_value_info(name, arr))
             feeds[name] = arr
@@ -81,8 +97,9 @@ def forward_model(spec: Spec) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         names.pop()
     outs = [f"y{i}" for i in range(spec.outputs)]
     node = helper.make_node(spec.op, names, outs, **spec.attrs)
-    graph = helper.make_graph([node], "case", graph_inputs, [onnx.ValueInfoProto(name=o) for o in outs],
-                              inits)
+    graph_outs = list(spec.graph_outputs or outs)
+    graph = helper.make_graph([node, *spec.extra_nodes], "case", graph_inputs,
+                              [onnx.ValueInfoProto(name=o) for o in graph_outs], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", spec.opset)],
                               ir_version=IR_VERSION)
     model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
@@ -108,7 +125,12 @@ def loss_model(spec: Spec, seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np
         names = [o.name for o in model.graph.output]
     else:
         names = float_outputs(model, spec.loss_outputs)
-    values = fdcheck.ort_runner(model)(names, feeds)
+    try:
+        values = fdcheck.ort_runner(model)(names, feeds)
+    except fdcheck.KernelMissing:
+        raise
+    except Exception as exc:  # noqa: BLE001 - e.g. "LSTM operator does not support double yet"
+        raise fdcheck.KernelMissing(f"{type(exc).__name__}: {exc}") from exc
     shapes = {n: tuple(np.shape(v)) for n, v in zip(names, values)}
     return fdcheck.with_weighted_loss(model, shapes, seed), feeds
 

@@ -191,23 +191,33 @@ def _gather(b, n, g):
     return [out, None]
 
 
+def _scatter_reduction(n, op_type):
+    """'none' (updates overwrite) or 'add' (they accumulate); others are refused."""
+    reduction = n.attr("reduction", "none")
+    if reduction not in ("none", "add"):
+        raise ValueError(f"{op_type} gradient supports reduction='none' or 'add' only, not {reduction!r}")
+    return reduction
+
+
 @grad_rule("ScatterND", diff_inputs=(0, 2))
 def _scatter_nd(b, n, g):
-    if n.attr("reduction", "none") != "none":
-        raise ValueError("ScatterND gradient supports reduction='none' only")
     data, idx, upd = n.inputs
-    d_data = b.ScatterND(g[0], idx, b.zeros_like(upd)) if n.needs_grad(0) else None
+    overwrite = _scatter_reduction(n, "ScatterND") == "none"
+    d_data = None
+    if n.needs_grad(0):
+        d_data = b.ScatterND(g[0], idx, b.zeros_like(upd)) if overwrite else g[0]
     d_upd = b.GatherND(g[0], idx) if n.needs_grad(2) else None
     return [d_data, None, d_upd]
 
 
 @grad_rule("ScatterElements", diff_inputs=(0, 2))
 def _scatter_elements(b, n, g):
-    if n.attr("reduction", "none") != "none":
-        raise ValueError("ScatterElements gradient supports reduction='none' only")
     data, idx, upd = n.inputs
     axis = n.attr("axis", 0)
-    d_data = b.ScatterElements(g[0], idx, b.zeros_like(upd), axis=axis) if n.needs_grad(0) else None
+    overwrite = _scatter_reduction(n, "ScatterElements") == "none"
+    d_data = None
+    if n.needs_grad(0):
+        d_data = b.ScatterElements(g[0], idx, b.zeros_like(upd), axis=axis) if overwrite else g[0]
     d_upd = b.GatherElements(g[0], idx, axis=axis) if n.needs_grad(2) else None
     return [d_data, None, d_upd]
 
