@@ -45,6 +45,10 @@ class Spec:
     # Values the graph holds that are not inputs of the op's node (read by subgraphs or
     # by ``extra_nodes``).
     side_inputs: list[tuple[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    # Declare the fed inputs with symbolic dims only (rules then see ranks, not sizes),
+    # except the (input name, axis) pairs in ``static_dims``.
+    symbolic: bool = False
+    static_dims: tuple[tuple[str, int], ...] = ()
 
     @property
     def op_types(self) -> set[str]:
@@ -73,11 +77,15 @@ class Spec:
     def describe(self) -> str:
         shapes = ", ".join(f"{k}{list(v.shape)}:{v.dtype}" if v is not None else "-"
                            for k, v in self.inputs)
-        return f"{self.op}(opset {self.opset}) [{shapes}] {self.attrs} wrt={self.wrt}"
+        dims = " symbolic dims" if self.symbolic else ""
+        return f"{self.op}(opset {self.opset}{dims}) [{shapes}] {self.attrs} wrt={self.wrt}"
 
 
-def _value_info(name: str, arr: np.ndarray) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
+def _value_info(name: str, arr: np.ndarray, spec: Spec | None = None) -> onnx.ValueInfoProto:
+    shape = list(arr.shape)
+    if spec is not None and spec.symbolic:
+        shape = [d if (name, i) in spec.static_dims else f"{name}_d{i}" for i, d in enumerate(shape)]
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), shape)
 
 
 def forward_model(spec: Spec) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -89,7 +97,7 @@ def forward_model(spec: Spec) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         if arr is None:
             continue
         if name in spec.wrt or name in spec.dynamic:
-            graph_inputs.append(_value_info(name, arr))
+            graph_inputs.append(_value_info(name, arr, spec))
             feeds[name] = arr
         else:
             inits.append(numpy_helper.from_array(arr, name))

@@ -2,7 +2,9 @@
 
 One test, parametrized over ``passes.autodiff.registered_rules()``: each rule needs a
 case generator here (``CASES`` for the core rule families, ``OTHER_CASES`` for conv,
-resize, recurrent and control-flow rules), else the test fails with "no case for X".
+resize, recurrent, control-flow and sequence rules), else the test fails with "no case
+for X". Every case also runs with symbolic input dims half the time (``symbolic``).
+Set EVERY_RULE_EXAMPLES to change the examples per rule, EVERY_RULE_RANDOM for fresh ones.
 Generators draw shapes (broadcast pairs for broadcasting ops), attributes and dtypes
 with hypothesis and keep inputs away from non-differentiable points (kinks, ties,
 domain edges); the check itself lives in ``opcases.check_spec``.
@@ -15,6 +17,7 @@ stops: with ``loss += ReduceSum(x * V)`` the gradient of every float input is ex
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -29,19 +32,23 @@ from opcases import Spec
 
 from passes.autodiff import registered_rules
 
-MAX_EXAMPLES = int(os.environ.get("EVERY_RULE_EXAMPLES", "30"))
+MAX_EXAMPLES = int(os.environ.get("EVERY_RULE_EXAMPLES", "40"))
+# The same examples every run unless EVERY_RULE_RANDOM is set (then fresh ones each run).
+DERANDOMIZE = "EVERY_RULE_RANDOM" not in os.environ
 SEEDS = st.integers(0, 2**32 - 1)
 DTYPES = st.sampled_from([np.float32, np.float64])
 OPSETS = (13, 18, 21)
 MAX_SIDE = 4
 # Distance kept between an input and a non-differentiable point (>> the FD step).
 MARGIN = 0.05
+# Redraws of the entries that land too close to a non-differentiable point.
+MAX_RESAMPLES = 100
 # Spacing of the inputs of normalizations (a group of two close values is a near-singular point).
 NORM_SPACING = 0.3
 
 Generator = Callable[[str], st.SearchStrategy[Spec]]
 CASES: dict[str, Generator] = {}
-# Cases for rules that other modules own (conv.py, resize.py, recurrent.py, control.py).
+# Cases for rules that other modules own (conv, resize, recurrent, control, sequence).
 OTHER_CASES: dict[str, Generator] = {}
 
 
@@ -71,7 +78,7 @@ def uniform(rng, shape, lo, hi, dtype=np.float64) -> np.ndarray:
 def away(rng, shape, lo, hi, points=(0.0,), dtype=np.float64, margin=MARGIN) -> np.ndarray:
     """Uniform in [lo, hi] but at least ``margin`` from each of ``points``."""
     x = rng.uniform(lo, hi, size=shape)
-    for _ in range(100):
+    for _ in range(MAX_RESAMPLES):
         bad = np.zeros(np.shape(x), bool)
         for p in points:
             bad |= np.abs(x - p) < margin
@@ -652,6 +659,8 @@ REDUCE_VALUES = {
 }
 # Keep ReduceProd factors away from 0 so the product's derivative is well scaled.
 PROD_MARGIN = 0.3
+# Share of ReduceProd inputs set to exactly 0 in the zeros variant.
+ZERO_FRACTION = 0.3
 
 
 @case("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
@@ -666,6 +675,8 @@ def reduction(draw, op):
     else:
         lo, hi, points = REDUCE_VALUES[op]
         x = away(rng, shape, lo, hi, points, dtype, PROD_MARGIN if op == "ReduceProd" else MARGIN)
+        if op == "ReduceProd" and draw(st.booleans()):  # exact zeros: the product is multilinear
+            x[rng.random(shape) < ZERO_FRACTION] = 0.0
     attrs = {"keepdims": draw(st.integers(0, 1))}
     axes = draw(st.one_of(st.none(), st.lists(st.integers(0, rank - 1), max_size=rank, unique=True)))
     if axes is not None:
@@ -1032,7 +1043,9 @@ def recurrent(draw, op):
     outputs = 3 if op == "LSTM" else 2
     used = _subset(draw, list(range(outputs)))
     wrt = _subset(draw, [n for n, v in inputs if v is not None])
-    return Spec(op, inputs, wrt, attrs, opset=opset_for(draw, op), outputs=outputs, loss_outputs=used)
+    # The rules unroll the time loop: the sequence length must be static.
+    return Spec(op, inputs, wrt, attrs, opset=opset_for(draw, op), outputs=outputs, loss_outputs=used,
+                static_dims=(("x", 0),))
 
 
 RESIZE_COORDS = ["half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel"]
@@ -1116,7 +1129,7 @@ def _generator(op_type: str) -> Generator | None:
 
 
 @pytest.mark.parametrize("rule", RULES, ids=_rule_id)
-@settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
+@settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=DERANDOMIZE,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.large_base_example,
                                  HealthCheck.filter_too_much])
@@ -1126,6 +1139,8 @@ def test_rule(rule, data):
     if generator is None:
         pytest.fail(f"no case for {_rule_id(rule)}: add a generator to CASES or OTHER_CASES")
     spec = data.draw(generator(rule.op_type), label="spec")
+    if data.draw(st.booleans(), label="symbolic dims"):
+        spec = dataclasses.replace(spec, symbolic=True)
     assert rule.op_type in spec.op_types
     assert rule.covers(spec.opset), f"case opset {spec.opset} outside {_rule_id(rule)}"
     if spec.kind == "stop":

@@ -43,7 +43,10 @@ def _pow(b, n, g):
     y = n.outputs[0]
     ef = b.CastLike(e, a)
     da = g[0] * ef * b.Pow(a, ef - 1) if n.needs_grad(0) else None
-    de = g[0] * y * b.Log(a) if n.needs_grad(1) else None
+    de = None
+    if n.needs_grad(1):  # d/de a^e = a^e log a, taken as 0 at a = 0 (where a^e is 0 for e > 0)
+        safe_log = b.Log(b.Where(b.Equal(a, 0.0), 1.0, a, _like=a))
+        de = g[0] * y * safe_log
     return [da, de]
 
 

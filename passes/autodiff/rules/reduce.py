@@ -34,14 +34,14 @@ def _restore(b, n, v):
     return b.Unsqueeze(v, axes)
 
 
-def _sum_back(b, n, v):
-    """ReduceSum ``v`` (X-shaped) over the reduction axes, keepdims, same no-op semantics."""
+def _sum_back(b, n, v, op_type="ReduceSum"):
+    """Reduce ``v`` (X-shaped) over the node's reduction axes, keepdims, same no-op semantics."""
     axes = _axes(b, n)
     if isinstance(axes, list) and not axes:
         return v
     if axes is None or isinstance(axes, list):
-        return b.reduce("ReduceSum", v, axes, keepdims=1)
-    return b.ReduceSum(v, axes, keepdims=1, noop_with_empty_axes=n.attr("noop_with_empty_axes", 0))
+        return b.reduce(op_type, v, axes, keepdims=1)
+    return b.op(op_type, v, axes, keepdims=1, noop_with_empty_axes=n.attr("noop_with_empty_axes", 0))
 
 
 def _reduction(op_type: str, local):
@@ -74,6 +74,16 @@ def _extreme_factor(b, x, y, n):
     return mask / _sum_back(b, n, mask)
 
 
+def _prod_factor(b, x, y, n):
+    """The product of the other elements of each group; exact where x has zeros (y / x is not)."""
+    is_zero = b.Equal(x, 0.0)
+    nonzero = b.Where(is_zero, 1.0, x, _like=x)
+    others = _sum_back(b, n, nonzero, "ReduceProd") / nonzero
+    zero_f = b.CastLike(is_zero, x)
+    zeros_elsewhere = _sum_back(b, n, zero_f) - zero_f
+    return b.Where(b.Equal(zeros_elsewhere, 0.0), others, 0.0, _like=x)
+
+
 def _l2_factor(b, x, y, n):
     yk = y()
     safe = b.Where(b.Equal(yk, 0.0), 1.0, yk, _like=x)
@@ -84,7 +94,7 @@ _reduction("ReduceSum", lambda b, x, y, n: None)
 _reduction("ReduceMean", _mean_factor)
 _reduction("ReduceMax", _extreme_factor)
 _reduction("ReduceMin", _extreme_factor)
-_reduction("ReduceProd", lambda b, x, y, n: y() / x)
+_reduction("ReduceProd", _prod_factor)
 _reduction("ReduceL1", lambda b, x, y, n: b.Sign(x))
 _reduction("ReduceL2", _l2_factor)
 _reduction("ReduceSumSquare", lambda b, x, y, n: 2.0 * x)
