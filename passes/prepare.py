@@ -1,10 +1,11 @@
 """PrepareForGradientPass: the clean-up every forward graph gets before autodiff.
 
 1. inline model-local functions (exporters emit them; rules see primitive ops);
+2. fold small nodes computed from Constant nodes only (shape arguments become constants);
+3. expose the masks of training-mode Dropout nodes;
+4. sort topologically, type sequence outputs, infer types and shapes (rules read them).
 
-Initializers and dead nodes are kept: the forward model stays as the user wrote it.
-2. expose the masks of training-mode Dropout nodes;
-3. sort topologically and infer types and shapes (rules and un-broadcasting read them).
+Initializers, graph inputs and outputs are kept: the forward model computes what it did.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import onnx_ir.passes.common as common
 from onnx_ir.passes import InPlacePass, PassResult, Sequential
 
 from passes.expose_dropout_mask import ExposeDropoutMaskPass
+from passes.fold_constants import FoldConstantsPass
 from passes.sequence_types import TypeSequenceOutputsPass
 
 
@@ -22,8 +24,9 @@ class PrepareForGradientPass(InPlacePass):
         steps = Sequential(
             common.InlinePass(),
             common.RemoveUnusedFunctionsPass(),
-            ExposeDropoutMaskPass(),
             common.TopologicalSortPass(),
+            FoldConstantsPass(),
+            ExposeDropoutMaskPass(),
             TypeSequenceOutputsPass(),
             common.ShapeInferencePass(strict_mode=False),
         )

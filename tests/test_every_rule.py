@@ -1006,10 +1006,32 @@ def pool(draw, op):
         attrs["count_include_pad"] = draw(st.integers(0, 1))
     if op == "LpPool":
         attrs["p"] = draw(st.integers(1, 3))
+    opset = opset_for(draw, op)
     if op != "LpPool" and draw(st.booleans()):
         attrs["ceil_mode"] = 1
+        if _drops_last_window(spatial, attrs):
+            opset = CEIL_DROP_OPSET
     outputs = draw(st.integers(1, 2)) if op == "MaxPool" else 1
-    return Spec(op, [("x", x)], ("x",), attrs, opset=opset_for(draw, op), outputs=outputs)
+    return Spec(op, [("x", x)], ("x",), attrs, opset=opset, outputs=outputs)
+
+
+# ONNX shape inference before opset 22 keeps a ceil_mode window that starts in the right
+# padding; onnxruntime (and ONNX from opset 22) drops it. The loss weight has onnxruntime's
+# output shape, so such cases run at opset 22 (else the loss model itself fails to load).
+CEIL_DROP_OPSET = 22
+
+
+def _drops_last_window(spatial, attrs) -> bool:
+    """True when ceil_mode adds a window starting past the input and the begin padding."""
+    dims = len(spatial)
+    dilations = attrs.get("dilations", [1] * dims)
+    for i, size in enumerate(spatial):
+        k, s, d = attrs["kernel_shape"][i], attrs["strides"][i], dilations[i]
+        pb, pe = attrs["pads"][i], attrs["pads"][i + dims]
+        out = -(-(size + pb + pe - (k - 1) * d - 1) // s) + 1
+        if (out - 1) * s >= size + pb:
+            return True
+    return False
 
 
 @other("GlobalAveragePool", "GlobalMaxPool")

@@ -1,0 +1,99 @@
+"""FoldConstantsPass: evaluate small nodes whose inputs are all ``Constant`` nodes.
+
+Exporters often compute shape arguments (Slice starts/ends/steps, Reshape shapes, axes)
+from constants, e.g. ``Unsqueeze(Constant)``. Folding them lets gradient rules see those
+arguments as constants and choose cheaper gradients.
+
+1. A deterministic default-domain node without subgraphs, with one output, whose every
+   input is produced by a ``Constant`` node, is evaluated with onnx's reference evaluator;
+   if the result has at most ``max_elements`` elements it is replaced by a ``Constant``.
+2. Initializers are never folded into: they may be trained, so they are not constants here.
+3. Everything else is left alone; a node the evaluator cannot run is kept as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx.reference import ReferenceEvaluator
+from onnx_ir.passes import InPlacePass, PassResult
+
+_NON_DETERMINISTIC = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+     "Bernoulli", "Dropout"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldOptions:
+    # Largest folded result, in elements: folding is for shape-like arguments, not tensors.
+    max_elements: int = 4096
+
+
+def _constant_of(value: ir.Value | None) -> np.ndarray | None:
+    if value is None:
+        return None
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
+        return None
+    attr = producer.attributes.get("value")
+    if attr is None or attr.type != ir.AttributeType.TENSOR:
+        return None
+    return attr.value.numpy()
+
+
+def _foldable(node: ir.Node) -> bool:
+    return (node.domain in ("", "ai.onnx") and node.op_type not in _NON_DETERMINISTIC
+            and node.op_type != "Constant" and len(node.outputs) == 1 and bool(node.inputs)
+            and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+                        for a in node.attributes.values()))
+
+
+class FoldConstantsPass(InPlacePass):
+    def __init__(self, options: FoldOptions | None = None) -> None:
+        super().__init__()
+        self.options = options or FoldOptions()
+
+    def call(self, model: ir.Model) -> PassResult:
+        opset = model.opset_imports.get("", 13)
+        modified = False
+        for node in list(model.graph):
+            if not _foldable(node):
+                continue
+            arrays = [_constant_of(v) for v in node.inputs]
+            if any(a is None and v is not None for a, v in zip(arrays, node.inputs)):
+                continue
+            result = self._evaluate(node, arrays, opset)
+            if result is None or result.size > self.options.max_elements:
+                continue
+            self._replace(model.graph, node, result)
+            modified = True
+        return PassResult(model, modified)
+
+    @staticmethod
+    def _evaluate(node: ir.Node, arrays: list[np.ndarray | None], opset: int) -> np.ndarray | None:
+        names = [f"in{i}" if a is not None else "" for i, a in enumerate(arrays)]
+        proto = onnx.helper.make_node(node.op_type, names, ["out"])
+        proto.attribute.extend(ir.serde.serialize_node(node).attribute)
+        try:
+            evaluator = ReferenceEvaluator(proto, opsets={"": opset})
+            (out,) = evaluator.run(None, {n: a for n, a in zip(names, arrays) if n})
+        except Exception:  # noqa: BLE001 - an op the evaluator cannot run stays unfolded
+            return None
+        return np.asarray(out)
+
+    @staticmethod
+    def _replace(graph: ir.Graph, node: ir.Node, result: np.ndarray) -> None:
+        old = node.outputs[0]
+        tensor = ir.tensor(result, name=old.name)
+        const = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], num_outputs=1,
+                        name=f"{node.name or node.op_type}_folded")
+        new = const.outputs[0]
+        new.type, new.shape = ir.TensorType(tensor.dtype), ir.Shape(result.shape)
+        graph.insert_before(node, const)
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        new.name = old.name
