@@ -1089,7 +1089,33 @@ def resize(draw, op):
         inputs.append(("scales", np.asarray(scales, np.float32)))
     else:
         inputs += [("scales", None), ("sizes", ints(list(shape[:2]) + [draw(st.integers(1, 6)) for _ in spatial]))]
-    return Spec(op, inputs, ("x",), attrs, opset=opset_for(draw, op))
+    # Resize is linear in x: checked against onnxruntime's own forward. The float64 oracle
+    # would be the ONNX reference evaluator (onnxruntime has no float64 Resize), which takes
+    # other conventions than onnxruntime (and the spec) in corners: pytorch_half_pixel onto
+    # one output samples at -0.5 (or 0.5 / scale - 0.5), not 0; align_corners with a
+    # fractional in * scale divides by the unrounded output length.
+    return Spec(op, inputs, ("x",), attrs, opset=opset_for(draw, op), custom=_check_linear_in_ort)
+
+
+def _check_linear_in_ort(spec: Spec) -> None:
+    """For an op linear in x: the gradient vs unit-step central differences of onnxruntime's
+    own forward (exact up to rounding), every element of x."""
+    model, feeds = opcases.loss_model(spec)
+    [grad] = opcases.run_gradient_model(model, ["x"], feeds, [])
+    run = opcases.fdcheck.session(model).run
+    weight = opcases.initializer(model, "fdcheck_w_0").astype(np.float64)
+    x = feeds["x"]
+    numeric = np.empty(x.size)
+    for k in range(x.size):
+        ys = []
+        for sign in (1, -1):
+            bumped = x.copy().reshape(-1)
+            bumped[k] += sign
+            ys.append(run(["y0"], {**feeds, "x": bumped.reshape(x.shape)})[0].astype(np.float64))
+        numeric[k] = np.sum((ys[0] - ys[1]) * weight) / 2
+    tol = opcases.fdcheck.tolerance_for(spec.dtype)
+    np.testing.assert_allclose(grad.reshape(-1), numeric, rtol=tol.rtol, atol=tol.atol,
+                               err_msg=spec.describe())
 
 
 def _branch(name, nodes, out):

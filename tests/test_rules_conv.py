@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
+import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -238,6 +239,113 @@ def test_average_pool_matches_torch(ceil_mode, count_include_pad):
     model, feeds = make_model("AveragePool", pool_input(2, 8), attrs)
     assert_matches_torch(model, feeds, lambda x: F.avg_pool2d(
         x, 3, stride=2, padding=1, ceil_mode=bool(ceil_mode), count_include_pad=bool(count_include_pad)))
+
+
+# ceil_mode windows that would start in the right padding (or past the input) are dropped by
+# onnxruntime, torch and ONNX from opset 22: each case has one on some axis. Below opset 22
+# ONNX shape inference keeps them, so the loss weight (onnxruntime's output shape) would
+# clash with the inferred shape at load: these run at opset 22.
+CEIL_DROP_OPSET = 22
+CEIL_DROP_CASES = [
+    # x shape, attrs (ceil_mode=1 added)
+    ((2, 3, 3), dict(kernel_shape=[2], strides=[2], pads=[1, 1])),
+    ((2, 3, 3, 4), dict(kernel_shape=[1, 1], strides=[1, 2], pads=[0, 0, 0, 0])),
+    ((2, 3, 2, 3), dict(kernel_shape=[2, 2], strides=[2, 1], pads=[0, 0, 1, 0])),
+    ((2, 3, 5, 6), dict(kernel_shape=[2, 2], strides=[3, 3], pads=[0, 0, 1, 1])),
+    ((2, 3, 4, 5), dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 1, 1, 1])),
+]
+
+
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+@pytest.mark.parametrize("shape,attrs", CEIL_DROP_CASES)
+def test_average_pool_ceil_mode_drops_window_in_right_pad(shape, attrs, count_include_pad):
+    model, feeds = make_model("AveragePool", {"x": shape},
+                              dict(attrs, ceil_mode=1, count_include_pad=count_include_pad),
+                              opset=CEIL_DROP_OPSET)
+    assert_linear_fd(model, feeds)
+    dims = len(shape) - 2
+    pads = attrs["pads"]
+    if pads[:dims] == pads[dims:]:  # torch pads both ends alike
+        torch_pool = {1: F.avg_pool1d, 2: F.avg_pool2d}[dims]
+        assert_matches_torch(model, feeds, lambda x: torch_pool(
+            x, attrs["kernel_shape"], stride=attrs["strides"], padding=pads[:dims], ceil_mode=True,
+            count_include_pad=bool(count_include_pad)))
+
+
+@pytest.mark.parametrize("with_indices", [False, True])
+@pytest.mark.parametrize("shape,attrs", CEIL_DROP_CASES)
+def test_max_pool_ceil_mode_drops_window_in_right_pad(shape, attrs, with_indices):
+    outputs = ("y", "idx") if with_indices else ("y",)
+    model, feeds = make_model("MaxPool", {"x": shape}, dict(attrs, ceil_mode=1), outputs=outputs,
+                              opset=CEIL_DROP_OPSET)
+    assert_fd(model, feeds)
+
+
+@pytest.mark.parametrize("opset", [13, 19])
+@pytest.mark.parametrize("op,count_include_pad", [("AveragePool", 0), ("AveragePool", 1), ("MaxPool", 0)])
+def test_pool_ceil_mode_dropped_window_below_opset_22(op, count_include_pad, opset):
+    """ONNX shape inference below opset 22 gives y one window more than onnxruntime computes;
+    the gradient uses runtime shapes only, so it still matches torch (which drops it too)."""
+    attrs = f"count_include_pad={count_include_pad}, " if op == "AveragePool" else ""
+    model = onnx.parser.parse_model(f"""
+    <ir_version: 9, opset_import: ["" : {opset}]>
+    g (float[2, 3, 3, 5] x, float[A, B, C, D] r) => (float {fdcheck.LOSS}) {{
+      y = {op}<{attrs}ceil_mode=1, kernel_shape=[2, 2], strides=[2, 2], pads=[1, 1, 1, 1]>(x)
+      yr = Mul(y, r)
+      {fdcheck.LOSS} = ReduceSum<keepdims=0>(yr)
+    }}""")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 3, 5)).astype(np.float32)
+    r = rng.standard_normal((2, 3, 2, 3)).astype(np.float32)  # onnxruntime's (and torch's) y shape
+    got = fdcheck.analytic_gradients(model, ["x"], {"x": x, "r": r})["x"]
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    if op == "AveragePool":
+        y = F.avg_pool2d(xt, 2, stride=2, padding=1, ceil_mode=True, count_include_pad=bool(count_include_pad))
+    else:
+        y = F.max_pool2d(xt, 2, stride=2, padding=1, ceil_mode=True)
+    assert tuple(y.shape) == r.shape
+    (y * torch.tensor(r, dtype=torch.float64)).sum().backward()
+    np.testing.assert_allclose(got, xt.grad.numpy(), atol=1e-5, rtol=1e-5)
+
+
+# Dilated windows whose taps all fall in the padding: onnxruntime gives them the lowest float
+# and an index built from position -1 (an element of another channel, or out of range).
+EMPTY_WINDOW_CASES = [
+    ((1, 1, 1, 1), dict(kernel_shape=[1, 2], pads=[0, 1, 0, 1], dilations=[1, 2])),
+    ((1, 1, 1), dict(kernel_shape=[2], pads=[1, 1], dilations=[2])),
+    ((2, 3, 2, 3), dict(kernel_shape=[2, 2], pads=[0, 1, 0, 1], dilations=[1, 3])),
+]
+
+
+@pytest.mark.parametrize("with_indices", [False, True])
+@pytest.mark.parametrize("shape,attrs", EMPTY_WINDOW_CASES)
+def test_max_pool_window_in_padding_only(shape, attrs, with_indices):
+    outputs = ("y", "idx") if with_indices else ("y",)
+    model, feeds = make_model("MaxPool", {"x": shape}, attrs, outputs=outputs)
+    assert_fd(model, feeds)
+
+
+def test_max_pool_dilated_float64():
+    """The in-bounds tap counts of dilated windows are a float32 Conv (none in float64)."""
+    model = onnx.parser.parse_model(f"""
+    <ir_version: 9, opset_import: ["" : 19]>
+    g (double[2, 3, 5, 4] x, double[2, 3, 5, 1] r) => (double {fdcheck.LOSS}) {{
+      y = MaxPool<kernel_shape=[2, 2], pads=[1, 0, 1, 1], dilations=[2, 3], strides=[1, 2]>(x)
+      yr = Mul(y, r)
+      {fdcheck.LOSS} = ReduceSum<keepdims=0>(yr)
+    }}""")
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.permutation(120).reshape(2, 3, 5, 4) / 10.0, "r": rng.standard_normal((2, 3, 5, 1))}
+    reports = fdcheck.compare_gradients(model, ["x"], feeds, fdcheck.tolerance_for(np.dtype(np.float64)))
+    assert all(r.ok and r.checked for r in reports), fdcheck.describe(reports)
+
+
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+@pytest.mark.parametrize("shape,attrs", EMPTY_WINDOW_CASES)
+def test_average_pool_window_in_padding_only(shape, attrs, count_include_pad):
+    model, feeds = make_model("AveragePool", {"x": shape}, dict(attrs, count_include_pad=count_include_pad))
+    assert_linear_fd(model, feeds)
+    assert np.isfinite(onnx_grads(model, feeds)["x"]).all()
 
 
 def test_max_pool_storage_order_is_rejected():

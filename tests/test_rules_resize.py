@@ -104,6 +104,32 @@ def test_resize_runtime_scales_every_axis():
     assert_linear_fd(model, feeds, wrt=["x"])
 
 
+@pytest.mark.parametrize("opset", [13, 18, 19])
+@pytest.mark.parametrize("mode,x_shape,target", [
+    ("cubic", (1, 1, 2, 2), dict(sizes=[1, 1, 1, 1])),
+    ("cubic", (1, 2, 3, 4), dict(sizes=[1, 2, 1, 3])),
+    ("cubic", (1, 1, 3, 3), dict(scales=[1.0, 1.0, 0.5, 0.5])),
+    ("linear", (1, 1, 3), dict(scales=[1.0, 1.0, 0.5])),
+    ("nearest", (1, 1, 3, 2), dict(sizes=[1, 1, 1, 4])),
+])
+def test_resize_pytorch_half_pixel_to_one(mode, x_shape, target, opset):
+    """pytorch_half_pixel onto an axis of length 1 samples x at 0 in onnxruntime (the ONNX
+    reference evaluator does not: -0.5, or 0.5 / scale - 0.5 when in * scale is not 1)."""
+    attrs = dict(mode=mode, coordinate_transformation_mode="pytorch_half_pixel")
+    model, feeds = resize_model(attrs, opset=opset, x_shape=x_shape, **target)
+    assert_linear_fd(model, feeds)
+
+
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+@pytest.mark.parametrize("transform", ["align_corners", "half_pixel_symmetric"])
+def test_resize_fractional_output_length(mode, transform):
+    """in * scale not an integer (3 * 1.5, 5 * 0.7): onnxruntime divides by the truncated
+    output length (the reference evaluator by the unrounded one)."""
+    attrs = dict(mode=mode, coordinate_transformation_mode=transform)
+    model, feeds = resize_model(attrs, scales=[1.0, 1.0, 1.5, 0.7], x_shape=(1, 2, 3, 5))
+    assert_linear_fd(model, feeds)
+
+
 def test_resize_keep_aspect_ratio_is_rejected():
     attrs = dict(mode="nearest", keep_aspect_ratio_policy="not_larger", axes=[2, 3])
     model, feeds = resize_model(attrs, sizes=[10, 10], opset=18)

@@ -7,7 +7,7 @@ Prints, measured in this one run:
 - the gradient graph's step time on onnxruntime CPU (forward + backward, all parameters) and
   torch eager forward + backward on the same model and batch, and their ratio (< 1: we are faster).
 Both runtimes use the same thread count (--threads, default 2). Medians over --reps timed runs
-after 2 warm-ups.
+after 2 warm-ups, timed with tools/timing.py (the peer's quiet-machine procedure).
 """
 
 from __future__ import annotations
@@ -15,14 +15,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import onnx
 import onnxruntime as ort
 import torch
 
 import gradgraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import time_steps  # noqa: E402 - tools/ is not a package
 
 
 class MaskedLM(torch.nn.Module):
@@ -51,17 +56,6 @@ def _batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, ...]:
     pick = torch.rand((batch, seq), generator=gen) < 0.15
     labels[pick] = ids[pick]
     return ids, torch.ones(batch, seq, dtype=torch.int64), labels
-
-
-def _median_ms(fn, reps: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -110,13 +104,13 @@ def main() -> None:
     feeds = {"input_ids": batch[0].numpy(), "attention_mask": batch[1].numpy(), "labels": batch[2].numpy()}
     feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
     outputs = ["loss"] + grads
-    ort_ms = _median_ms(lambda: sess.run(outputs, feeds), args.reps)
+    ort_ms = time_steps(lambda: sess.run(outputs, feeds), 2, args.reps)["median_ms"]
 
     def torch_step():
         model.zero_grad(set_to_none=True)
         model(*batch).backward()
 
-    torch_ms = _median_ms(torch_step, args.reps)
+    torch_ms = time_steps(torch_step, 2, args.reps)["median_ms"]
     loss_ort = float(sess.run(["loss"], feeds)[0])
     loss_torch = float(model(*batch))
     print(f"loss: onnxruntime {loss_ort:.6f}, torch {loss_torch:.6f}")

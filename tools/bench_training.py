@@ -25,24 +25,16 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import PEER, time_steps  # noqa: E402 - tools/ is not a package
+
 ROOT = Path(__file__).resolve().parent.parent
-PEER = Path(os.environ.get("GRADGRAPH_PEER_DIR", ROOT.parent / "shared" / "peer"))
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 LR, EPS = 1e-3, 1e-6
 
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _time(step, warmup: int, reps: int) -> dict:
-    """The peer's own timing (common.time_steps): waits for a quiet machine, re-measures when
-    other processes used more than a quarter core during the timed loop; same for every peer."""
-    sys.path.insert(0, str(PEER))
-    import common  # noqa: PLC0415 - the peer's module, found at run time
-
-    timing, _ = common.time_steps(step, warmup=warmup, repeat=reps)
-    return {k: timing[k] for k in ("median_ms", "min_ms", "other_cores", "attempts")}
 
 
 def _peer_models():
@@ -112,7 +104,7 @@ def child_gradgraph(name: str, out_dir: str, args) -> dict:
     session = TrainingSession(path, config, sess_options=opts, providers=providers)
     setup = time.perf_counter() - start
     losses = []
-    timing = _time(lambda: losses.append(session.train_step(feeds, lr=LR)), args.warmup, args.reps)
+    timing = time_steps(lambda: losses.append(session.train_step(feeds, lr=LR)), args.warmup, args.reps)
     return {"ok": True, "setup_s": setup, "trained": len(trained), "loss_first": losses[0],
             "loss_last": losses[-1], **timing}
 
@@ -137,7 +129,7 @@ def child_torch(name: str, out_dir: str, args) -> dict:
         opt.step()
         losses.append(float(loss))
 
-    timing = _time(step, args.warmup, args.reps)
+    timing = time_steps(step, args.warmup, args.reps)
     return {"ok": True, "loss_first": losses[0], "loss_last": losses[-1], **timing}
 
 

@@ -22,6 +22,9 @@ from passes.autodiff.builder import GradBuilder, NodeView, Var, shape_dims
 from passes.autodiff.errors import GradientError
 from passes.autodiff.registry import GradRule, lookup
 
+# Error messages show at most this many value names on the path from a node to the loss.
+MAX_PATH_SHOWN = 64
+
 FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16}
 )
@@ -106,7 +109,7 @@ class GradientBuilder:
         self.weights = self._find_weights(weights)
         self._all_initializers = weights is None
         self.opset_imports = dict(model.opset_imports)
-        self.b = GradBuilder(self.opset, dict(model.opset_imports))
+        self.b = GradBuilder(self.opset, self.opset_imports)
         self._exposed_names: set[str] = set()
         self._rules = {id(n): lookup(n.domain, n.op_type, self._opset_of(n)) for n in self.graph}
 
@@ -189,7 +192,7 @@ class GradientBuilder:
 
     def _path(self, value: ir.Value, toward_loss: dict[int, ir.Value]) -> list[str]:
         path = [_describe(value)]
-        while id(value) in toward_loss and len(path) < 64:
+        while id(value) in toward_loss and len(path) < MAX_PATH_SHOWN:
             value = toward_loss[id(value)]
             path.append(_describe(value))
         return path

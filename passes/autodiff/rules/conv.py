@@ -13,6 +13,10 @@ covers ``full``; a ``Pad`` with pads ``[-pb, in + pb - full]`` (negative pads cr
 aligns it with the input. The weight gradient is a correlation of the input with the
 output gradient, computed as a ``Conv`` with the batch axis as channels
 (:func:`_correlate`). Pools fold channels into the batch and use a ones kernel.
+
+``out`` is always read from the runtime shape of dY, never from attributes or inferred
+shapes: with ``ceil_mode`` onnxruntime drops a last window that starts in the end padding,
+which ONNX shape inference before opset 22 keeps (it infers one window more than runs).
 """
 
 from __future__ import annotations
@@ -208,7 +212,12 @@ class _Pool:
         self.pb = _begin_pads(b, n, self.dims, self.in_sp, self.out_sp, self.eff_k, stride_vec)
         self.pe = _end_pads(b, n, self.dims, self.in_sp, self.out_sp, self.eff_k, stride_vec, self.pb)
         self.full = (self.out_sp - 1) * stride_vec + self.eff_k
-        self.ones_kernel = b.const(np.ones([1, 1] + list(kernel)), self.x.dtype)
+        self.kernel_shape = [1, 1] + list(kernel)
+        self.ones_kernel = b.const(np.ones(self.kernel_shape), self.x.dtype)
+
+    def may_miss_input(self) -> bool:
+        """Whether a window can have no tap inside x: only with dilation (pads < kernel)."""
+        return any(d > 1 for d in self.dilations)
 
     def fold(self, v):
         """(N, C, ...) -> (N*C, 1, ...)."""
@@ -221,15 +230,17 @@ class _Pool:
                          self.strides, self.dilations)
         return b.Reshape(dx, b.Shape(self.x))
 
-    def window_counts(self, include_pad: bool):
-        """(1, 1, *out) number of window taps inside x (or inside x and its pads)."""
+    def window_counts(self, include_pad: bool, dtype=None):
+        """(1, 1, *out) number of window taps inside x (or inside x and its pads), in ``dtype``
+        (default x's)."""
         b = self.b
+        dtype = dtype or self.x.dtype
         begin = b.const(np.zeros(self.dims, np.int64)) if include_pad else self.pb
         length = self.in_sp + self.pb + self.pe if include_pad else self.in_sp
-        ones = b.ConstantOfShape(b.Concat([1, 1], length, axis=0),
-                                 value=_scalar_tensor(1.0, self.x.dtype))
+        ones = b.ConstantOfShape(b.Concat([1, 1], length, axis=0), value=_scalar_tensor(1.0, dtype))
         region = _pad_spatial(b, ones, begin, self.full - length - begin)
-        return b.Conv(region, self.ones_kernel, strides=self.strides, dilations=self.dilations)
+        kernel = self.ones_kernel if dtype == self.x.dtype else b.const(np.ones(self.kernel_shape), dtype)
+        return b.Conv(region, kernel, strides=self.strides, dilations=self.dilations)
 
 
 def _scalar_tensor(value: float, dtype):
@@ -239,9 +250,15 @@ def _scalar_tensor(value: float, dtype):
 
 @grad_rule("AveragePool")
 def _average_pool(b, n, g):
-    """dX = window-sum adjoint of dY / count (count of in-bounds taps, or of taps in the pads too)."""
+    """dX = window-sum adjoint of dY / count (count of in-bounds taps, or of taps in the pads too).
+
+    A dilated window can hold padding only (count 0, y = 0): its dY reaches no input; a count
+    of 1 keeps it finite (not inf) on its way into the pads that are cropped away.
+    """
     pool = _Pool(b, n, g[0])
     counts = pool.window_counts(bool(n.attr("count_include_pad", 0)))
+    if pool.may_miss_input():
+        counts = b.Max(counts, b.const(np.array(1.0), pool.x.dtype))
     return [pool.window_sum_adjoint(pool.fold(g[0]) / counts)]
 
 
@@ -262,13 +279,22 @@ def _max_pool(b, n, g):
         raise ValueError("MaxPool gradient supports storage_order=0 only")
     if g[0] is None:
         return [None]
-    x = n.inputs[0]
+    x, go = n.inputs[0], g[0]
     if n.has_output(1):
         indices = n.outputs[1]
     else:
         attrs = {k: n.attr(k) for k in n.node.attributes}
         indices = b.op("MaxPool", x, _outputs=2, **attrs)[1]
-    return [scatter_back(b, x, indices, g[0])]
+    if any(d > 1 for d in n.attr("dilations") or []):
+        pool = _Pool(b, n, go)
+        # A dilated window that holds padding only: onnxruntime gives y = lowest float and an
+        # index built from position -1 (another element, or out of range). No gradient flows.
+        # (Counted in float32: onnxruntime has no float64 Conv.)
+        counts = pool.window_counts(include_pad=False, dtype=ir.DataType.FLOAT)
+        hits = b.Greater(counts, b.const(np.array(0.0, np.float32), ir.DataType.FLOAT))
+        indices = b.Where(hits, indices, b.const(np.array(0, np.int64)))
+        go = b.Where(hits, go, b.zeros_like(go))
+    return [scatter_back(b, x, indices, go)]
 
 
 @grad_rule("GlobalAveragePool")
