@@ -17,6 +17,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from gradgraph.api import build_gradient_graph
+from gradgraph.feeds import check_feeds
 from gradgraph.io import load_model
 from passes.autodiff import GradientError
 from passes.prepare import PrepareForGradientPass
@@ -91,7 +92,10 @@ def gradcheck(
     grad_names = [o.name for o in grad_model.graph.output if o.name not in forward_outputs]
     trained = [n[: -len("_grad")] for n in grad_names]
     feeds = dict(inputs) if inputs is not None else random_inputs(forward, seed)
-    analytic = dict(zip(grad_names, _session(grad_model).run(grad_names, feeds)))
+    grad_session = _session(grad_model)
+    check_feeds(grad_session.get_inputs(), feeds, "the inputs given")
+    feeds = {i.name: feeds[i.name] for i in grad_session.get_inputs()}
+    analytic = dict(zip(grad_names, grad_session.run(grad_names, feeds)))
 
     f64 = _as_double(forward)
     f64_out = onnx.helper.make_tensor_value_info(loss, onnx.TensorProto.DOUBLE, None)

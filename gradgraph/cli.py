@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from gradgraph import train_cli
+from gradgraph.checkpoint import CheckpointError
+from gradgraph.feeds import InputError, load_npz
 from passes.autodiff import GradientError
 
 
@@ -45,16 +46,7 @@ def _cmd_grad(args: argparse.Namespace) -> int:
 
 
 def _load_inputs(path: str | None) -> dict[str, np.ndarray] | None:
-    if path is None:
-        return None
-    file = Path(path)
-    if not file.is_file():
-        raise GradientError(f"inputs file {path!r} does not exist")
-    try:
-        with np.load(file) as data:
-            return {k: data[k] for k in data.files}
-    except Exception as exc:  # noqa: BLE001 - numpy raises several types
-        raise GradientError(f"inputs file {path!r} is not a readable .npz archive: {exc}") from exc
+    return None if path is None else load_npz(path, "inputs file")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -105,10 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser().parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed sub-command; user mistakes print one line and return 2."""
     try:
         return int(args.func(args) or 0)
-    except GradientError as exc:
+    except (GradientError, InputError, CheckpointError) as exc:
         print(f"gradgraph {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:

@@ -13,7 +13,6 @@ from onnx import version_converter
 
 from passes.autodiff import GradientError
 
-
 MIN_OPSET = 13
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from gradgraph.feeds import check_feeds
 from passes.optimizer_pass import TrainingNames
 
 # onnxruntime optimizers that must not run on training graphs (real dropout must stay).
@@ -94,9 +95,7 @@ class GraphRunner:
         self.fetchable = [n for n in outputs if n not in updated]
 
     def run(self, store: StateStore, feeds: Mapping[str, Any], fetches: Sequence[str]) -> dict[str, np.ndarray]:
-        missing = [n for n in self.feed_names if n not in feeds]
-        if missing:
-            raise ValueError(f"missing feeds {missing} (the graph needs {self.feed_names})")
+        check_feeds(self.session.get_inputs(), feeds, skip=self.held_inputs)
         unknown = [n for n in fetches if n not in self.fetchable]
         if unknown:
             raise ValueError(f"cannot fetch {unknown}; this graph outputs {self.fetchable}")

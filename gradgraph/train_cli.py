@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gradgraph.feeds import InputError, load_npz
 from gradgraph.schedules import KINDS, Schedule
 from passes.optimizers import config_type
 
@@ -100,10 +101,9 @@ def run(args: argparse.Namespace) -> int:
     from gradgraph.training import TrainingConfig
     from passes.optimizers import ParamGroup
 
-    with np.load(args.data) as npz:
-        data = {k: npz[k] for k in npz.files}
+    data = load_npz(args.data, "data file")
     if not data:
-        raise SystemExit(f"{args.data}: no arrays")
+        raise InputError(f"data file {args.data!r} holds no arrays")
     groups = (ParamGroup(tuple(args.no_decay), {"weight_decay": 0.0}),) if args.no_decay else ()
     config = TrainingConfig(args.loss, _optimizer(args), weights_not_to_train=tuple(args.freeze),
                             groups=groups, accumulation_steps=args.accumulate, max_grad_norm=args.clip)
@@ -133,7 +133,12 @@ def run(args: argparse.Namespace) -> int:
         lr = schedule.lr_at(step)
         micro_losses = []
         while session.step == step:
-            micro_losses.append(session.train_step(_batch(data, micro, args.batch_size), lr=lr))
+            try:
+                loss = session.train_step(_batch(data, micro, args.batch_size), lr=lr)
+            except InputError as exc:
+                bar.close()
+                raise InputError(f"data file {args.data!r} does not fit the model: {exc}") from exc
+            micro_losses.append(loss)
             micro += 1
         losses.append(float(np.mean(micro_losses)))
         done += 1
@@ -154,8 +159,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradgraph")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    from gradgraph.cli import run_command
+
+    return run_command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

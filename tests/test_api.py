@@ -186,3 +186,19 @@ g (float[2, 3] x) => (float loss) <float[4, 3] W = {1.,2.,3.,4.,5.,6.,7.,8.,9.,1
     torch.tanh(torch.tensor(x) @ tw.T + tb).sum().backward()
     np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(db, tb.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_cli_reports_bad_feeds_without_traceback(tmp_path, capsys):
+    missing = tmp_path / "missing.npz"
+    np.savez(missing, x=np.zeros((3, 16), np.float32))
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, x=np.zeros((3, 5), np.float32), labels=np.zeros(3, np.int64))
+    assert cli_main(["check", str(EXAMPLE), "--loss", "loss", "--inputs", str(missing)]) == 2
+    assert "model input(s) ['labels'] missing" in capsys.readouterr().err
+    assert cli_main(["check", str(EXAMPLE), "--loss", "loss", "--inputs", str(wrong)]) == 2
+    assert "input 'x'" in capsys.readouterr().err
+    code = cli_main(["train", str(EXAMPLE), "--loss", "loss", "--data", str(wrong), "--steps", "2",
+                     "--batch-size", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "wrong.npz" in err and "dimension 1 must be 16" in err
+    assert "Traceback" not in err

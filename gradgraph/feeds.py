@@ -1,0 +1,67 @@
+"""Checking user feeds against a session's inputs before onnxruntime sees them.
+
+A wrong name, dtype, rank or fixed dimension is a user mistake: it gets an
+:class:`InputError` naming the input, what was expected and where the data came from,
+instead of an onnxruntime traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+_NP_OF_ORT = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
+    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(int16)": np.int16,
+}
+
+
+class InputError(ValueError):
+    """Feeds that do not fit the model's inputs (missing, wrong dtype, rank or dimension)."""
+
+
+def check_feeds(inputs: Iterable[ort.NodeArg], feeds: Mapping[str, Any], source: str = "the feeds",
+                skip: Iterable[str] = ()) -> None:
+    """Raise :class:`InputError` unless ``feeds`` fit ``inputs`` (names in ``skip`` are fed elsewhere)."""
+    skipped = set(skip)
+    expected = [i for i in inputs if i.name not in skipped]
+    missing = [i.name for i in expected if i.name not in feeds]
+    if missing:
+        raise InputError(f"model input(s) {missing} missing from {source}; the model needs "
+                         f"{[i.name for i in expected]} (got {sorted(feeds)})")
+    for arg in expected:
+        value = feeds[arg.name]
+        if isinstance(value, ort.OrtValue):
+            continue
+        array = np.asarray(value)
+        want = _NP_OF_ORT.get(arg.type)
+        if want is not None and array.dtype != want and not np.can_cast(array.dtype, want, "same_kind"):
+            raise InputError(f"input {arg.name!r} from {source} has dtype {array.dtype}; the model "
+                             f"expects {np.dtype(want).name}")
+        shape = list(arg.shape) if arg.shape is not None else None
+        if shape is None:
+            continue
+        if array.ndim != len(shape):
+            raise InputError(f"input {arg.name!r} from {source} has shape {list(array.shape)} "
+                             f"(rank {array.ndim}); the model expects rank {len(shape)}: {shape}")
+        for axis, (got, dim) in enumerate(zip(array.shape, shape)):
+            if isinstance(dim, int) and dim >= 0 and got != dim:
+                raise InputError(f"input {arg.name!r} from {source} has shape {list(array.shape)}; "
+                                 f"dimension {axis} must be {dim} (model input shape {shape})")
+
+
+def load_npz(path: str, what: str = "inputs file") -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` archive; a missing or unreadable file is an :class:`InputError`."""
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        raise InputError(f"{what} {path!r} does not exist")
+    try:
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files}
+    except Exception as exc:  # noqa: BLE001 - numpy raises several types
+        raise InputError(f"{what} {path!r} is not a readable .npz archive: {exc}") from exc
