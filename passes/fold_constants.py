@@ -8,7 +8,8 @@ arguments as constants and choose cheaper gradients.
    input is produced by a ``Constant`` node, is evaluated with onnx's reference evaluator;
    if the result has at most ``max_elements`` elements it is replaced by a ``Constant``.
 2. Initializers are never folded into: they may be trained, so they are not constants here.
-3. Everything else is left alone; a node the evaluator cannot run is kept as it is.
+3. Constant nodes that fed only folded nodes are removed (nothing reads them any more).
+4. Everything else is left alone; a node the evaluator cannot run is kept as it is.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class FoldConstantsPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
         opset = model.opset_imports.get("", 13)
         modified = False
+        fed_folded: list[ir.Node] = []
         for node in list(model.graph):
             if not _foldable(node):
                 continue
@@ -69,8 +71,13 @@ class FoldConstantsPass(InPlacePass):
             result = self._evaluate(node, arrays, opset)
             if result is None or result.size > self.options.max_elements:
                 continue
+            fed_folded.extend(v.producer() for v in node.inputs if v is not None)
             self._replace(model.graph, node, result)
             modified = True
+        for const in dict.fromkeys(fed_folded):  # unique, in order
+            out = const.outputs[0]
+            if not out.uses() and not out.is_graph_output() and const.graph is model.graph:
+                model.graph.remove(const, safe=True)
         return PassResult(model, modified)
 
     @staticmethod
