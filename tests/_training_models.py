@@ -1,14 +1,18 @@
 """Shared fixtures of the training tests: small torch models exported for training, and the
-comparison loop against torch.optim."""
+references they are compared with: torch.optim, and a float64 NumPy LAMB."""
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
+from typing import Any
 
 import numpy as np
 import onnx
 import torch
+
+from passes.optimizers import AdamWConfig, LambConfig, ParamGroup, SGDConfig, resolve
 
 RTOL = 1e-5
 PERTURB = 0.01
@@ -74,3 +78,74 @@ def run_torch(module: torch.nn.Module, optimizer: torch.optim.Optimizer, batches
         optimizer.step()
         optimizer.zero_grad()
     return losses
+
+
+def torch_param_groups(module: torch.nn.Module, groups: tuple[ParamGroup, ...], lr: float) -> list[dict]:
+    """torch.optim param groups mirroring gradgraph's ``groups`` (first match wins; override
+    names are torch's, e.g. ``weight_decay``). Parameters with ``requires_grad=False`` are left out."""
+    buckets: list[list[torch.nn.Parameter]] = [[] for _ in range(len(groups) + 1)]
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            buckets[next((i for i, g in enumerate(groups) if g.matches(name)), len(groups))].append(p)
+    out = [{"params": ps, **dict(g.overrides), "lr": lr * g.lr_scale} for g, ps in zip(groups, buckets)]
+    return [g for g in out + [{"params": buckets[-1]}] if g["params"]]
+
+
+def torch_optimizer(cfg: Any, params: Any, lr: float) -> torch.optim.Optimizer:
+    """The torch.optim optimizer with gradgraph config ``cfg``'s hyper-parameters."""
+    if isinstance(cfg, SGDConfig):
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, dampening=cfg.dampening,
+                               nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+    cls = torch.optim.AdamW if isinstance(cfg, AdamWConfig) else torch.optim.Adam
+    return cls(params, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def lamb_reference(module: torch.nn.Module, batches: list[dict], cfg: LambConfig, lr: float,
+                   accumulate: int = 1, clip: float | None = None,
+                   groups: tuple[ParamGroup, ...] = ()) -> tuple[list[float], dict[str, np.ndarray]]:
+    """float64 LAMB with the semantics documented in passes/optimizers/lamb.py: gradients by torch
+    autograd on a float64 copy of ``module``, mean over micro-batches, clipping and the update in
+    NumPy float64. Parameters with ``requires_grad=False`` stay frozen. Returns the losses and
+    the copy's final ``state_dict`` (running statistics included)."""
+    ref = copy.deepcopy(module).double()
+    params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    m = {n: np.zeros(p.shape) for n, p in params.items()}
+    v = {n: np.zeros(p.shape) for n, p in params.items()}
+    losses = []
+    for t, start in enumerate(range(0, len(batches), accumulate), 1):
+        ref.zero_grad(set_to_none=False)
+        for feeds in batches[start:start + accumulate]:
+            loss = ref(*[torch.from_numpy(x).double() if x.dtype.kind == "f" else torch.from_numpy(x)
+                         for x in feeds.values()])
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        grads = {n: p.grad.numpy().copy() for n, p in params.items()}
+        if clip is not None:
+            norm = np.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
+            grads = {n: g * min(1.0, clip / (norm + 1e-6)) for n, g in grads.items()}
+        for n, g in grads.items():
+            c, lr_scale = resolve(cfg, groups, n)
+            w = params[n].detach().numpy()
+            m[n] = c.beta1 * m[n] + (1 - c.beta1) * g
+            v[n] = c.beta2 * v[n] + (1 - c.beta2) * g * g
+            m_hat, v_hat = m[n], v[n]
+            if c.bias_correction:
+                m_hat, v_hat = m_hat / (1 - c.beta1 ** t), v_hat / (1 - c.beta2 ** t)
+            u = m_hat / (np.sqrt(v_hat) + c.eps) + c.weight_decay * w
+            w_norm, u_norm = np.linalg.norm(w), np.linalg.norm(u)
+            ratio = np.clip(w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0, c.ratio_min, c.ratio_max)
+            with torch.no_grad():
+                params[n].copy_(torch.from_numpy(w - lr * lr_scale * ratio * u))
+    return losses, {n: t.detach().numpy() for n, t in ref.state_dict().items()}
+
+
+def reference_training(module: torch.nn.Module, cfg: Any, batches: list[dict], lr: float,
+                       accumulate: int = 1, clip: float | None = None,
+                       groups: tuple[ParamGroup, ...] = ()) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The same training as a gradgraph session with ``cfg``: torch.optim (float32) for SGD and
+    Adam(W), the float64 NumPy reference for LAMB. Returns the losses and the final state_dict."""
+    if isinstance(cfg, LambConfig):
+        return lamb_reference(module, batches, cfg, lr, accumulate, clip, groups)
+    opt = torch_optimizer(cfg, torch_param_groups(module, groups, lr), lr)
+    losses = run_torch(module, opt, batches, accumulate, clip)
+    return losses, {n: t.detach().numpy() for n, t in module.state_dict().items()}

@@ -48,6 +48,19 @@ def shape_dims(shape: ir.Shape | None) -> list[Any] | None:
     return [d if isinstance(d, int) else getattr(d, "value", None) for d in shape]
 
 
+def _attribute(name: str, value: Any) -> ir.Attr:
+    """An ONNX attribute from a plain Python value (fast path for what rules pass)."""
+    if isinstance(value, bool) or isinstance(value, (int, np.integer)):
+        return ir.AttrInt64(name, int(value))
+    if isinstance(value, (float, np.floating)):
+        return ir.AttrFloat32(name, float(value))
+    if isinstance(value, str):
+        return ir.AttrString(name, value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, np.integer)) for v in value):
+        return ir.AttrInt64s(name, [int(v) for v in value])
+    return ir.convenience.convert_attribute(name, value)
+
+
 def _float_dtype(inputs: Sequence[Any]) -> ir.DataType | None:
     dtypes = [x.dtype for x in inputs if isinstance(x, Var) and x.dtype is not None]
     return next((d for d in dtypes if d.is_floating_point()), dtypes[0] if dtypes else None)
@@ -259,9 +272,7 @@ class GradBuilder:
             op_type, vars_, attrs = "Cast", vars_[:1], {"to": int(self._castlike_target(vars_[1]))}
         if op_type == "Reshape" and not _domain and _is_literal_shape(vars_[1], self.opset):
             attrs = {**attrs, "allowzero": 1}  # a 0 in a Shape output is a real 0 (empty tensor)
-        attributes = ir.convenience.convert_attributes(
-            {k: v for k, v in attrs.items() if v is not None}
-        )
+        attributes = [_attribute(k, v) for k, v in attrs.items() if v is not None]
         node = ir.Node(_domain, op_type, [v.value if v is not None else None for v in vars_],
                        attributes, num_outputs=_outputs, name=self.fresh_name(op_type))
         dtype = self._out_dtype(op_type, vars_, attrs)
