@@ -118,9 +118,15 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
         w for w in config.weights_to_train if w not in excluded]
     grad_pass = GradientPass(config.loss, wanted, GradientOptions())
     grad_pass(forward)
-    trained = sorted(w for w in grad_pass.gradients if w not in excluded)
+    # Running statistics are BatchNormalization inputs, so they "reach" the loss, but a
+    # training-mode output does not depend on them (zero gradient): BatchNormalization updates
+    # them, never the optimizer.
+    trained = sorted(w for w in grad_pass.gradients if w not in excluded and w not in buffers)
     if not trained:
         raise GradientError("no weight is left to train (check weights_to_train / weights_not_to_train)")
+    for w, grad in grad_pass.gradients.items():  # gradients nobody uses: let _finish prune them
+        if w not in trained and grad in forward.graph.outputs:
+            forward.graph.outputs.remove(grad)
     frozen = [w for w in floats if w not in trained and w not in buffers]
     _save(save_stages, "01_gradient", forward)
 

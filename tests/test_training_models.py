@@ -94,12 +94,13 @@ class ModelCase:
     # requires_grad=False in the reference), which lets the Adam family keep its default eps.
     zero_gradient: tuple[str, ...]
     groups: tuple[ParamGroup, ...] = ()
-    # Adam's step is about lr * sign(g) per element whatever |g|, so a relative rounding error
-    # e in a small gradient element (the attention query/key weights' are ~1e-6 here) moves
-    # the weight by ~lr * e. At lr 1e-2 torch's own float32 BERT run is 1.5e-4 (of the tensor's
-    # largest magnitude) away from its float64 run after 20 steps (gradgraph's: 1.5e-5), so a
-    # float32 reference cannot be trusted to 1e-5 there; at 1e-3, a usual Adam learning rate
-    # for transformers, torch float32 vs float64 is 6e-6 and gradgraph vs torch 4e-6.
+    # Adam's step is about lr * sign(g) per element whatever |g|, so a relative rounding error e
+    # in a gradient element (large where a small element comes out of cancellation, e.g. through
+    # LayerNorm or softmax backward) moves that weight by ~lr * e at every step. On the tiny BERT
+    # torch's own float32 run ends 1.5e-4 (lr 1e-2) and 6.5e-5 (lr 1e-3) of the tensor's largest
+    # magnitude away from its float64 run after 20 steps, so float32 torch.optim is no 1e-5
+    # reference there; at lr 1e-4 (a usual BERT Adam lr) it is within 1.3e-6, gradgraph within
+    # 1.1e-6 of it, and weights still move by ~2e-3, about 2000x the tolerance.
     adam_lr: float = LR
 
 
@@ -109,7 +110,7 @@ MODELS = {
     # Attention key bias: adds q . b_k to every score of a query row, and softmax is
     # invariant to a per-row constant.
     "bert": ModelCase(_tiny_bert, _bert_batches, ("*.attention.self.key.bias",),
-                      (ParamGroup(NO_DECAY, {"weight_decay": 0.0}),), adam_lr=1e-3),
+                      (ParamGroup(NO_DECAY, {"weight_decay": 0.0}),), adam_lr=1e-4),
 }
 OPTIMIZERS = {
     "sgd-momentum": SGDConfig(momentum=0.9, weight_decay=0.01),
@@ -139,7 +140,9 @@ def test_matches_reference(model: str, optimizer: str, accumulate: int, clip: fl
     config = TrainingConfig("loss", cfg, weights_not_to_train=frozen, groups=case.groups,
                             accumulation_steps=accumulate, max_grad_norm=clip)
     session = TrainingSession(onnx_model, config, providers=CPU)
-    assert not set(frozen) & set(session.artifacts.trained)
+    art = session.artifacts
+    assert not set(frozen) & set(art.trained) and not set(art.buffers) & set(art.trained)
+    assert len(set(art.params)) == len(art.params)
     initial = session.get_model_state()["full_precision"]
     for name, p in module.named_parameters():
         np.testing.assert_array_equal(initial[name], p.detach().numpy(), err_msg=name)

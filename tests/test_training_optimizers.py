@@ -1,4 +1,5 @@
-"""Optimizer graphs against torch.optim (and a float64 NumPy LAMB) on an MLP, 20 steps."""
+"""Optimizer graphs against torch.optim (and a float64 NumPy LAMB) on an MLP, 20 steps, plain and
+with accumulation + clipping (the CNN and tiny BERT run the same matrix in test_training_models.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from _training_models import MLP, assert_close_tensor, export_training, mlp_batches, run_torch
+from _training_models import (
+    MLP,
+    RTOL,
+    assert_close_tensor,
+    export_training,
+    mlp_batches,
+    reference_training,
+)
 
 from gradgraph import TrainingConfig, TrainingSession, build_training_artifacts
 from passes.optimizers import AdamConfig, AdamWConfig, LambConfig, ParamGroup, SGDConfig
@@ -16,15 +24,15 @@ STEPS = 20
 LR = 0.05
 CPU = ["CPUExecutionProvider"]
 
+# torch.optim is the reference for SGD and Adam(W) (same hyper-parameters, see
+# _training_models.torch_optimizer), the float64 NumPy reference for LAMB.
 CASES = {
-    "sgd-momentum": (SGDConfig(momentum=0.9, dampening=0.1, weight_decay=0.01),
-                     lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9, dampening=0.1, weight_decay=0.01)),
-    "sgd-nesterov": (SGDConfig(momentum=0.8, nesterov=True),
-                     lambda p: torch.optim.SGD(p, lr=LR, momentum=0.8, nesterov=True)),
-    "sgd-plain": (SGDConfig(), lambda p: torch.optim.SGD(p, lr=LR)),
-    "adam": (AdamConfig(weight_decay=0.1), lambda p: torch.optim.Adam(p, lr=LR, weight_decay=0.1)),
-    "adamw": (AdamWConfig(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.05),
-              lambda p: torch.optim.AdamW(p, lr=LR, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)),
+    "sgd-momentum": SGDConfig(momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "sgd-nesterov": SGDConfig(momentum=0.8, nesterov=True),
+    "sgd-plain": SGDConfig(),
+    "adam": AdamConfig(weight_decay=0.1),
+    "adamw": AdamWConfig(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.05),
+    "lamb": LambConfig(weight_decay=0.01),
 }
 
 
@@ -37,24 +45,24 @@ def _mlp(seed: int = 0, dropout: float = 0.0) -> tuple[MLP, bytes]:
     return module, model
 
 
-def _compare(session: TrainingSession, module: torch.nn.Module, ours: list[float], ref: list[float]) -> None:
-    np.testing.assert_allclose(ours, ref, rtol=1e-5)
+def _compare(session: TrainingSession, ours: list[float], ref: tuple[list[float], dict]) -> None:
+    ref_losses, ref_state = ref
+    np.testing.assert_allclose(ours, ref_losses, rtol=RTOL)
     state = session.get_model_state()["full_precision"]
-    for name, p in module.named_parameters():
-        assert_close_tensor(state[name], p.detach().numpy(), name)
+    for name in session.artifacts.params:
+        assert_close_tensor(state[name], ref_state[name], name)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("accumulate,clip", [(1, None), (3, 0.05)])
-def test_matches_torch(case: str, accumulate: int, clip: float | None) -> None:
-    config, make_opt = CASES[case]
+def test_matches_reference(case: str, accumulate: int, clip: float | None) -> None:
+    config = CASES[case]
     module, model = _mlp()
     session = TrainingSession(model, TrainingConfig("loss", config, accumulation_steps=accumulate,
                                                     max_grad_norm=clip), providers=CPU)
     batches = mlp_batches(STEPS * accumulate)
     ours = [session.train_step(f, lr=LR) for f in batches]
-    ref = run_torch(module, make_opt(module.parameters()), batches, accumulate, clip)
-    _compare(session, module, ours, ref)
+    _compare(session, ours, reference_training(module, config, batches, LR, accumulate, clip))
     assert session.step == STEPS
 
 
@@ -65,60 +73,8 @@ def test_param_groups_match_torch_groups() -> None:
                               providers=CPU)
     batches = mlp_batches(STEPS)
     ours = [session.train_step(f, lr=LR) for f in batches]
-    decay = [p for n, p in module.named_parameters() if not n.endswith(".bias")]
-    no_decay = [p for n, p in module.named_parameters() if n.endswith(".bias")]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": LR * 0.5}],
-                            lr=LR, weight_decay=0.2)
-    _compare(session, module, ours, run_torch(module, opt, batches))
-
-
-def _lamb_reference(module: MLP, batches: list[dict], cfg: LambConfig, accumulate: int,
-                    clip: float | None) -> tuple[list[float], dict[str, np.ndarray]]:
-    """float64 NumPy LAMB (the semantics documented in passes/optimizers/lamb.py)."""
-    params = dict(module.named_parameters())
-    master = {n: p.detach().numpy().astype(np.float64) for n, p in params.items()}
-    m = {n: np.zeros_like(w) for n, w in master.items()}
-    v = {n: np.zeros_like(w) for n, w in master.items()}
-    losses = []
-    for t, start in enumerate(range(0, len(batches), accumulate), 1):
-        grads = {n: np.zeros_like(w) for n, w in master.items()}
-        for feeds in batches[start:start + accumulate]:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(torch.from_numpy(master[n].astype(np.float32)))
-            loss = module(torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["y"]))
-            module.zero_grad()
-            loss.backward()
-            losses.append(loss.item())
-            for n, p in params.items():
-                grads[n] += p.grad.numpy().astype(np.float64) / accumulate
-        if clip is not None:
-            norm = np.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
-            grads = {n: g * min(1.0, clip / (norm + 1e-6)) for n, g in grads.items()}
-        for n, g in grads.items():
-            m[n] = cfg.beta1 * m[n] + (1 - cfg.beta1) * g
-            v[n] = cfg.beta2 * v[n] + (1 - cfg.beta2) * g * g
-            m_hat, v_hat = m[n] / (1 - cfg.beta1 ** t), v[n] / (1 - cfg.beta2 ** t)
-            u = m_hat / (np.sqrt(v_hat) + cfg.eps) + cfg.weight_decay * master[n]
-            w_norm, u_norm = np.linalg.norm(master[n]), np.linalg.norm(u)
-            ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
-            master[n] = master[n] - LR * ratio * u
-    return losses, master
-
-
-@pytest.mark.parametrize("accumulate,clip", [(1, None), (2, 0.05)])
-def test_lamb_matches_float64_reference(accumulate: int, clip: float | None) -> None:
-    cfg = LambConfig(weight_decay=0.01)
-    module, model = _mlp()
-    session = TrainingSession(model, TrainingConfig("loss", cfg, accumulation_steps=accumulate,
-                                                    max_grad_norm=clip), providers=CPU)
-    batches = mlp_batches(STEPS * accumulate)
-    ours = [session.train_step(f, lr=LR) for f in batches]
-    ref_losses, ref_weights = _lamb_reference(module, batches, cfg, accumulate, clip)
-    np.testing.assert_allclose(ours, ref_losses, rtol=1e-5)
-    state = session.get_model_state()["full_precision"]
-    for name, w in ref_weights.items():
-        assert_close_tensor(state[name], w, name)
+    _compare(session, ours, reference_training(module, AdamWConfig(weight_decay=0.2), batches, LR,
+                                               groups=groups))
 
 
 def test_frozen_weights_unchanged() -> None:
