@@ -136,16 +136,20 @@ def _bias_grad(b, go, dims):
 # ---- Conv / ConvTranspose --------------------------------------------------------------------
 
 
+def _conv_geometry(b, n, go):
+    """(dims, strides, dilations, group, input/output spatial sizes, dilated kernel extent)."""
+    x, w = n.inputs[0], n.inputs[1]
+    dims = _spatial_rank(n, n.attr("kernel_shape"), w, x)
+    strides, dilations = _ints(n, "strides", dims, 1), _ints(n, "dilations", dims, 1)
+    eff_k = _window_extent(b, _spatial(b, w), _strided(b, dilations))
+    return dims, strides, dilations, n.attr("group", 1), _spatial(b, x), _spatial(b, go), eff_k
+
+
 @grad_rule("Conv")
 def _conv(b, n, g):
     """dX: unpadded ConvTranspose, then crop; dW: correlation of padded X with dY."""
-    x, w = n.inputs[0], n.inputs[1]
-    go = g[0]
-    dims = _spatial_rank(n, n.attr("kernel_shape"), w, x)
-    strides, dilations = _ints(n, "strides", dims, 1), _ints(n, "dilations", dims, 1)
-    group = n.attr("group", 1)
-    in_sp, out_sp = _spatial(b, x), _spatial(b, go)
-    eff_k = _window_extent(b, _spatial(b, w), _strided(b, dilations))
+    x, w, go = n.inputs[0], n.inputs[1], g[0]
+    dims, strides, dilations, group, in_sp, out_sp, eff_k = _conv_geometry(b, n, go)
     pb = _begin_pads(b, n, dims, in_sp, out_sp, eff_k, _strided(b, strides))
     grads = [None] * len(n.inputs)
     if n.needs_grad(0):
@@ -173,13 +177,8 @@ def _transpose_begin_pads(b, n, dims, full, out_sp):
 @grad_rule("ConvTranspose")
 def _conv_transpose(b, n, g):
     """Un-crop dY to the full output (minus output_padding); dX is a Conv of it, dW a correlation."""
-    x, w = n.inputs[0], n.inputs[1]
-    go = g[0]
-    dims = _spatial_rank(n, n.attr("kernel_shape"), w, x)
-    strides, dilations = _ints(n, "strides", dims, 1), _ints(n, "dilations", dims, 1)
-    group = n.attr("group", 1)
-    in_sp, out_sp = _spatial(b, x), _spatial(b, go)
-    eff_k = _window_extent(b, _spatial(b, w), _strided(b, dilations))
+    x, w, go = n.inputs[0], n.inputs[1], g[0]
+    dims, strides, dilations, group, in_sp, out_sp, eff_k = _conv_geometry(b, n, go)
     core = (in_sp - 1) * _strided(b, strides) + eff_k
     full = core + _strided(b, _ints(n, "output_padding", dims, 0))
     pb = _transpose_begin_pads(b, n, dims, full, out_sp)
