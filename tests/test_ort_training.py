@@ -18,9 +18,6 @@ For each model:
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,30 +25,17 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.parser
-import onnxruntime as ort
+import ort_reference as ortref
 import pytest
 
 from gradgraph import build_gradient_graph
 from gradgraph.compat import ORT_1_19_MAX_IR_VERSION, ORT_1_19_MAX_OPSET, default_opset, for_runtime
 from passes.autodiff.registry import lookup
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tools" / "ort_training_worker.py"
-VENV = Path(os.environ.get("GRADGRAPH_ORT_TRAINING_VENV") or REPO / ".venv-ort-training")
-VENV_PYTHON = VENV / "bin" / "python"
+# The shared fixture, bound here so that pytest finds it for this module.
+venv_ok = ortref.venv_ok
 
-# Same graph on two runtimes.
-RUNTIME_RTOL, RUNTIME_ATOL = 1e-5, 1e-6
-# Our graph vs. the reference builder's graph (different kernels and op order, float32).
-REFERENCE_RTOL, REFERENCE_ATOL = 1e-4, 1e-5
-
-pytestmark = [
-    pytest.mark.ort_training,
-    pytest.mark.skipif(
-        not VENV_PYTHON.is_file(),
-        reason=f"onnxruntime-training reference venv {VENV} does not exist "
-               "(create it with tools/setup_ort_training.sh)"),
-]
+pytestmark = ortref.MARKS
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -181,27 +165,6 @@ cnn (float[2,3,8,8] x, int64[2] labels, float[4,3,3,3] Wc, float[4] bc, float[64
          reference_builds=True),
 ]
 
-# Optional outputs that the reference gradient builders read (GradientBuilderBase::O(i)); ORT
-# adds them in pre-gradient rewrites that its pybind GradientGraphBuilder does not run.
-_OPTIONAL_OUTPUTS_READ = {"LayerNormalization": (3, "Mean/InvStdDev"),
-                          "SoftmaxCrossEntropyLoss": (2, "log_prob"),
-                          "MaxPool": (2, "Indices")}
-
-
-def _why(forward: onnx.ModelProto, summary: str) -> str:
-    if "GradientBuilderBase::O" in summary:
-        absent = sorted({f"{n.op_type} {_OPTIONAL_OUTPUTS_READ[n.op_type][1]}"
-                         for n in forward.graph.node if n.op_type in _OPTIONAL_OUTPUTS_READ
-                         and len([o for o in n.output if o]) < _OPTIONAL_OUTPUTS_READ[n.op_type][0]})
-        return (f"its builders read optional outputs the model leaves out ({', '.join(absent)}); "
-                "ORT adds them in pre-gradient rewrites that the pybind builder does not run "
-                "(cf. onnxruntime#19038)")
-    if "has not been registered: BatchNormalization" in summary:
-        return ("ORT only differentiates its internal BatchNormInternal, which its "
-                "BatchNormReplacement rewrite (not run by the pybind builder) substitutes")
-    return ""
-
-
 def _make_model(case: Case) -> onnx.ModelProto:
     """Parse the text; the declared weights become random initializers (fixed seed)."""
     model = onnx.parser.parse_model(case.text)
@@ -239,56 +202,12 @@ def _feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _stock_run(model: onnx.ModelProto, names: list[str], feeds: dict) -> dict[str, np.ndarray]:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.intra_op_num_threads = 1
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    known = {i.name for i in sess.get_inputs()}
-    return dict(zip(names, sess.run(names, {k: v for k, v in feeds.items() if k in known})))
-
-
-def _worker(tmp: Path, *args: str) -> tuple[dict, dict[str, np.ndarray]]:
-    out = tmp / f"out_{args[0]}.npz"
-    proc = subprocess.run([str(VENV_PYTHON), str(WORKER), *args, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert proc.returncode == 0, f"worker crashed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    arrays = {}
-    if report.get("ok"):
-        with np.load(out) as data:
-            arrays = {k: data[k] for k in data.files}
-    return report, arrays
-
-
-def _assert_close(got: dict, want: dict, names: list[str], rtol: float, atol: float, what: str):
-    for name in names:
-        assert got[name].shape == want[name].shape, (what, name, got[name].shape, want[name].shape)
-        np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol,
-                                   err_msg=f"{what}: {name}")
-
-
 # Filled by the tests, printed at the end of the session (and asserted on in the last test).
 REFERENCE_RESULTS: dict[str, str] = {}
 
 
 def _missing_rules(case: Case, opset: int) -> list[str]:
     return [op for op in case.needs_rules if lookup("", op, opset) is None]
-
-
-@pytest.fixture(scope="module")
-def venv_ok():
-    proc = subprocess.run([str(VENV_PYTHON), "-c", "import onnxruntime, sys; "
-                           "from onnxruntime.capi import _pybind_state as C; "
-                           "sys.exit(0 if hasattr(C, 'GradientGraphBuilder') else 3)"],
-                          capture_output=True, text=True, timeout=300)
-    # The venv exists, so it must work: a broken one is an error, not a skip.
-    assert proc.returncode == 0, (
-        f"{VENV} exists but is not a working onnxruntime-training venv "
-        f"(re-run tools/setup_ort_training.sh):\n{proc.stderr[-2000:]}")
-    return True
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -301,48 +220,36 @@ def test_gradients_on_training_build(case: Case, tmp_path: Path, venv_ok):
     xs = [*case.weights, *case.extra_x]
     ours = build_gradient_graph(forward, case.loss, xs, target_ir_version=ORT_1_19_MAX_IR_VERSION,
                                 max_opset=ORT_1_19_MAX_OPSET)
-    assert ours.ir_version <= ORT_1_19_MAX_IR_VERSION
-    assert default_opset(ours) <= ORT_1_19_MAX_OPSET
-    assert all(n.domain in ("", "ai.onnx") for n in ours.graph.node), "non-standard op emitted"
+    ortref.assert_for_ort_1_19(ours)
 
     feeds = _feeds(forward)
     names = [case.loss, *[f"{x}_grad" for x in xs]]
-    stock = _stock_run(ours, names, feeds)
-    for name in names:
-        assert np.all(np.isfinite(stock[name])), name
-
-    model_path, inputs_path = tmp_path / "ours.onnx", tmp_path / "inputs.npz"
-    onnx.save(ours, model_path)
-    np.savez(inputs_path, **feeds)
-
     # (1) Our graph on the onnxruntime-training build == our graph on stock onnxruntime.
-    report, train_build = _worker(tmp_path, "run", "--model", str(model_path),
-                                  "--inputs", str(inputs_path), "--outputs", ",".join(names))
-    assert report["ok"], f"the training build cannot run our gradient graph: {report}"
-    assert report["onnxruntime"] == "1.19.2"
-    _assert_close(train_build, stock, names, RUNTIME_RTOL, RUNTIME_ATOL,
-                  "ours on onnxruntime-training 1.19.2 vs ours on stock onnxruntime")
+    stock, train_build = ortref.run_on_both_runtimes(ours, names, feeds, tmp_path,
+                                                     drop_unknown_feeds=True)
+    ortref.assert_close(train_build, stock, names, ortref.RUNTIME_RTOL, ortref.RUNTIME_ATOL,
+                        "ours on onnxruntime-training 1.19.2 vs ours on stock onnxruntime")
 
     # (2) The training build's own GradientGraphBuilder on the same forward model (lowered to
     #     what ORT 1.19 reads, exactly as our builder saw it).
     fwd_path = tmp_path / "forward.onnx"
     onnx.save(for_runtime(forward), fwd_path)
-    report, ref = _worker(tmp_path, "reference-grad", "--model", str(fwd_path),
-                          "--inputs", str(inputs_path), "--loss", case.loss, "--x", ",".join(xs),
-                          "--save-model", str(tmp_path / "reference_grad.onnx"))
+    report, ref = ortref.run_worker(tmp_path, "reference-grad", "--model", str(fwd_path),
+                                    "--inputs", str(tmp_path / "inputs.npz"), "--loss", case.loss,
+                                    "--x", ",".join(xs),
+                                    "--save-model", str(tmp_path / "reference_grad.onnx"))
     if not report["ok"]:
-        why = _why(forward, report.get("summary", ""))
+        why = ortref.why_reference_fails(forward, report.get("summary", ""))
         REFERENCE_RESULTS[case.name] = (f"reference builder fails ({report['stage']}): "
                                         f"{report.get('summary') or report['error']}"
                                         + (f" -- {why}" if why else ""))
         print(f"\n[{case.name}] {REFERENCE_RESULTS[case.name]}")
         assert not case.reference_builds, REFERENCE_RESULTS[case.name]
         return
-    _assert_close(ref, stock, names, REFERENCE_RTOL, REFERENCE_ATOL,
-                  "reference GradientGraphBuilder vs ours")
+    ortref.assert_close(ref, stock, names, ortref.REFERENCE_RTOL, ortref.REFERENCE_ATOL,
+                        "reference GradientGraphBuilder vs ours")
     ms_ops = [op for op in report.get("ops", []) if "::" in op]
-    used = max(float(np.max(np.abs(ref[n] - stock[n])
-                             / (REFERENCE_ATOL + REFERENCE_RTOL * np.abs(stock[n])))) for n in names)
+    used = ortref.tolerance_used(ref, stock, names, ortref.REFERENCE_RTOL, ortref.REFERENCE_ATOL)
     REFERENCE_RESULTS[case.name] = (f"reference builder succeeds, gradients agree "
                                     f"(using {used:.0%} of the tolerance; "
                                     f"it uses {', '.join(ms_ops) or 'standard ops only'})")
@@ -363,7 +270,7 @@ def test_reference_builder_summary(venv_ok):
 
 def test_worker_imports_only_runtime_packages():
     """The worker runs in the reference venv: it must not import gradgraph (or passes)."""
-    tree = ast.parse(WORKER.read_text())
+    tree = ast.parse(ortref.WORKER.read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)

@@ -25,50 +25,32 @@ A summary table (model/exporter/mode -> these results) is printed at the end of 
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import model_zoo as zoo  # noqa: E402 - imports torch
+import ort_reference as ortref  # noqa: E402
 
 from gradgraph import build_gradient_graph  # noqa: E402
 from gradgraph.compat import (  # noqa: E402
     ORT_1_19_MAX_IR_VERSION,
     ORT_1_19_MAX_OPSET,
-    default_opset,
     for_runtime,
 )
 from passes.autodiff import GradientError  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tools" / "ort_training_worker.py"
-VENV = Path(os.environ.get("GRADGRAPH_ORT_TRAINING_VENV") or REPO / ".venv-ort-training")
-VENV_PYTHON = VENV / "bin" / "python"
+# The shared fixture, bound here so that pytest finds it for this module.
+venv_ok = ortref.venv_ok
 
-# Same graph, two onnxruntime versions (1.19.2 training build vs. stock), same session options.
-RUNTIME_RTOL, RUNTIME_ATOL = 1e-5, 1e-6
-# Our graph vs. the reference builder's graph (fused MS kernels vs. standard ops, float32).
-REFERENCE_RTOL, REFERENCE_ATOL = 1e-4, 1e-5
-
-pytestmark = [
-    pytest.mark.ort_training,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not VENV_PYTHON.is_file(),
-        reason=f"onnxruntime-training reference venv {VENV} does not exist "
-               "(create it with tools/setup_ort_training.sh)"),
-]
+pytestmark = [*ortref.MARKS, pytest.mark.slow]
 
 CASES = ([(m, "legacy", "train_p0") for m in zoo.MODELS]
          + [(m, "dynamo", "eval") for m in zoo.MODELS])
@@ -111,98 +93,10 @@ def zoo_exports(tmp_path_factory) -> _Exports:
     return _Exports(tmp_path_factory.mktemp("ort_training_zoo"))
 
 
-@pytest.fixture(scope="module")
-def venv_ok():
-    proc = subprocess.run([str(VENV_PYTHON), "-c", "import sys; sys.modules['torch'] = None; "
-                           "from onnxruntime.capi import _pybind_state as C; "
-                           "sys.exit(0 if hasattr(C, 'GradientGraphBuilder') else 3)"],
-                          capture_output=True, text=True, timeout=300)
-    # The venv exists, so it must work: a broken one is an error, not a skip.
-    assert proc.returncode == 0, (
-        f"{VENV} exists but is not a working onnxruntime-training venv "
-        f"(re-run tools/setup_ort_training.sh):\n{proc.stderr[-2000:]}")
-    return True
-
-
-def _stock_run(model: onnx.ModelProto, names: list[str], feeds: dict) -> dict[str, np.ndarray]:
-    opts = ort.SessionOptions()  # the worker's options: one thread, no graph optimizations
-    opts.log_severity_level = 3
-    opts.intra_op_num_threads = 1
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return dict(zip(names, sess.run(names, feeds)))
-
-
-def _worker(tmp: Path, *args: str) -> tuple[dict, dict[str, np.ndarray]]:
-    out = tmp / f"out_{args[0]}.npz"
-    proc = subprocess.run([str(VENV_PYTHON), str(WORKER), *args, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert proc.returncode == 0, f"worker crashed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    arrays = {}
-    if report.get("ok"):
-        with np.load(out) as data:
-            arrays = {k: data[k] for k in data.files}
-    return report, arrays
-
-
-def _tolerance_used(got: dict, want: dict, names: list[str], rtol: float, atol: float) -> float:
-    """max |got - want| / (atol + rtol |want|) over all names: <= 1 means within tolerance."""
-    return max(float(np.max(np.abs(got[n].astype(np.float64) - want[n])
-                            / (atol + rtol * np.abs(want[n].astype(np.float64))), initial=0.0))
-               for n in names)
-
-
-def _assert_close(got: dict, want: dict, names: list[str], rtol: float, atol: float, what: str):
-    for name in names:
-        assert got[name].shape == want[name].shape, (what, name, got[name].shape, want[name].shape)
-        np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol,
-                                   err_msg=f"{what}: {name}")
-
-
-# Optional outputs that the reference gradient builders read (GradientBuilderBase::O(i)); ORT
-# adds them in pre-gradient rewrites that its pybind GradientGraphBuilder does not run.
-_OPTIONAL_OUTPUTS_READ = {"LayerNormalization": (3, "Mean/InvStdDev"),
-                          "SoftmaxCrossEntropyLoss": (2, "log_prob"),
-                          "MaxPool": (2, "Indices"),
-                          "Dropout": (2, "mask")}
-
-
-def _why(forward: onnx.ModelProto, summary: str) -> str:
-    """Why the reference builder refused ``forward`` (empty when no known cause applies)."""
-    if "GradientBuilderBase::O" in summary:
-        absent = sorted({f"{n.op_type} {_OPTIONAL_OUTPUTS_READ[n.op_type][1]}"
-                         for n in forward.graph.node if n.op_type in _OPTIONAL_OUTPUTS_READ
-                         and len([o for o in n.output if o]) < _OPTIONAL_OUTPUTS_READ[n.op_type][0]})
-        return (f"its builders read optional outputs the export leaves out ({', '.join(absent)}); "
-                "ORT adds them in pre-gradient rewrites the pybind builder does not run "
-                "(cf. onnxruntime#19038)")
-    if "unreachable from the output" in summary:
-        seq_ops = sorted({n.op_type for n in forward.graph.node if "Sequence" in n.op_type})
-        if seq_ops:
-            return (f"the path to the loss goes through sequence values ({', '.join(seq_ops)}), "
-                    "which ORT does not differentiate (non-tensor args are blocked)")
-    found = re.search(r"has not been registered: (\w+)", summary)
-    if found and found.group(1) == "BatchNormalization":
-        if not any(a.name == "training_mode" and a.i for n in forward.graph.node
-                   if n.op_type == "BatchNormalization" for a in n.attribute):
-            return ("inference-mode BatchNormalization (running statistics): ORT's "
-                    "BatchNormalizationGrad differentiates the batch-statistics form only")
-        return ("ORT only differentiates its internal BatchNormInternal, which its "
-                "BatchNormReplacement rewrite (not run by the pybind builder) substitutes")
-    if found and found.group(1) == "LSTM":
-        return ("ORT only differentiates its internal LSTMTraining, which its LSTMReplacement "
-                "rewrite (not run by the pybind builder) substitutes")
-    if found:
-        return f"onnxruntime-training has no gradient builder for {found.group(1)}"
-    return ""
-
-
 def _ort_pre_gradient_rewrites(forward: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     """``forward`` as ORT's pre-gradient rewrites leave it (same values computed), and their names.
 
-    1. the optional outputs of ``_OPTIONAL_OUTPUTS_READ`` are added (InsertMaxPoolOutput,
+    1. the optional outputs of ``ortref.OPTIONAL_OUTPUTS_READ`` are added (InsertMaxPoolOutput,
        InsertSoftmaxCrossEntropyLossOutput; LayerNormalization's and Dropout's likewise);
     2. training-mode BatchNormalization becomes ``com.microsoft`` BatchNormInternal, with its
        saved mean/inv-std outputs (BatchNormReplacement); inference-mode ones are kept, as
@@ -224,10 +118,10 @@ def _ort_pre_gradient_rewrites(forward: onnx.ModelProto) -> tuple[onnx.ModelProt
             node.output.append(name)
 
     for node in model.graph.node:
-        want = _OPTIONAL_OUTPUTS_READ.get(node.op_type, (0, ""))[0]
+        want = ortref.OPTIONAL_OUTPUTS_READ.get(node.op_type, (0, ""))[0]
         if len([o for o in node.output if o]) < want:
             pad(node, want)
-            applied.add(f"{node.op_type} {_OPTIONAL_OUTPUTS_READ[node.op_type][1]} added")
+            applied.add(f"{node.op_type} {ortref.OPTIONAL_OUTPUTS_READ[node.op_type][1]} added")
         training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
         if node.op_type == "BatchNormalization" and training:
             node.op_type, node.domain = "BatchNormInternal", "com.microsoft"
@@ -252,16 +146,16 @@ def _reference(tmp: Path, name: str, forward: onnx.ModelProto, exp: Exported, na
     """Run the reference builder on ``forward``: (its outputs or None where it fails, result)."""
     fwd_path = tmp / f"{name}.onnx"
     onnx.save(forward, fwd_path)
-    report, ref = _worker(tmp, "reference-grad", "--model", str(fwd_path),
-                          "--inputs", str(tmp / "inputs.npz"), "--loss", exp.loss,
-                          "--x", ",".join(exp.weights))
+    report, ref = ortref.run_worker(tmp, "reference-grad", "--model", str(fwd_path),
+                                    "--inputs", str(tmp / "inputs.npz"), "--loss", exp.loss,
+                                    "--x", ",".join(exp.weights))
     if not report["ok"]:
         # Without the C++ source location and signature the worker leaves on pybind errors.
         summary = re.sub(r"^.*\[ONNXRuntimeError\] : \d+ : ", "",
                          report.get("summary") or report["error"])
-        why = _why(forward, summary)
+        why = ortref.why_reference_fails(forward, summary)
         return None, f"fails ({report['stage']}): {summary}" + (f" -- {why}" if why else "")
-    used = _tolerance_used(ref, stock, names, REFERENCE_RTOL, REFERENCE_ATOL)
+    used = ortref.tolerance_used(ref, stock, names, ortref.REFERENCE_RTOL, ortref.REFERENCE_ATOL)
     MS_KERNELS.update(op.split("::")[1] for op in report.get("ops", []) if "::" in op)
     return ref, f"{'ok, agrees' if used <= 1 else 'DISAGREES'} ({used:.0%} of tol)"
 
@@ -285,29 +179,17 @@ def test_real_model_on_training_build(zoo_exports, venv_ok, tmp_path, model, exp
             raise
         RESULTS[key] = (f"skipped: {exc}", "not run", "not run")
         pytest.skip(f"our gradient graph cannot be lowered to ORT 1.19: {exc}")
-    assert ours.ir_version <= ORT_1_19_MAX_IR_VERSION
-    assert default_opset(ours) <= ORT_1_19_MAX_OPSET
-    assert all(n.domain in ("", "ai.onnx") for n in ours.graph.node), "non-standard op emitted"
+    ortref.assert_for_ort_1_19(ours)
 
     names = [exp.loss, *[f"{w}_grad" for w in exp.weights]]
-    stock = _stock_run(ours, names, exp.feeds)
-    for name in names:
-        assert np.all(np.isfinite(stock[name])), name
-
-    model_path, inputs_path = tmp_path / "ours.onnx", tmp_path / "inputs.npz"
-    onnx.save(ours, model_path)
-    np.savez(inputs_path, **exp.feeds)
-
     # (1) Our graph on the onnxruntime-training build == our graph on stock onnxruntime.
-    report, train_build = _worker(tmp_path, "run", "--model", str(model_path),
-                                  "--inputs", str(inputs_path), "--outputs", ",".join(names))
-    assert report["ok"], f"the training build cannot run our gradient graph: {report}"
-    assert report["onnxruntime"] == "1.19.2"
-    used = _tolerance_used(train_build, stock, names, RUNTIME_RTOL, RUNTIME_ATOL)
+    stock, train_build = ortref.run_on_both_runtimes(ours, names, exp.feeds, tmp_path)
+    used = ortref.tolerance_used(train_build, stock, names, ortref.RUNTIME_RTOL,
+                                 ortref.RUNTIME_ATOL)
     ours_result = f"{'ok' if used <= 1 else 'DIFFERS'}, {len(names) - 1} grads ({used:.0%} of tol)"
     RESULTS[key] = (ours_result, "not run", "not run")
-    _assert_close(train_build, stock, names, RUNTIME_RTOL, RUNTIME_ATOL,
-                  "ours on onnxruntime-training 1.19.2 vs ours on stock onnxruntime")
+    ortref.assert_close(train_build, stock, names, ortref.RUNTIME_RTOL, ortref.RUNTIME_ATOL,
+                        "ours on onnxruntime-training 1.19.2 vs ours on stock onnxruntime")
 
     # (2) The training build's own GradientGraphBuilder on the same forward model, lowered to
     #     what ORT 1.19 reads exactly as our builder saw it, for the same weights.
@@ -315,8 +197,8 @@ def test_real_model_on_training_build(zoo_exports, venv_ok, tmp_path, model, exp
     ref, plain = _reference(tmp_path, "forward", forward, exp, names, stock)
     RESULTS[key] = (ours_result, plain, "-")
     if ref is not None:
-        _assert_close(ref, stock, names, REFERENCE_RTOL, REFERENCE_ATOL,
-                      "reference GradientGraphBuilder vs ours")
+        ortref.assert_close(ref, stock, names, ortref.REFERENCE_RTOL, ortref.REFERENCE_ATOL,
+                            "reference GradientGraphBuilder vs ours")
         return
     # (3) Again after ORT's own pre-gradient rewrites, which its pybind builder does not run
     #     (the forward values do not change: the loss is compared too).
@@ -326,8 +208,8 @@ def test_real_model_on_training_build(zoo_exports, venv_ok, tmp_path, model, exp
     ref, after = _reference(tmp_path, "forward_ort_rewritten", prepared, exp, names, stock)
     RESULTS[key] = (ours_result, plain, f"{after} [{'; '.join(applied)}]")
     if ref is not None:
-        _assert_close(ref, stock, names, REFERENCE_RTOL, REFERENCE_ATOL,
-                      f"reference GradientGraphBuilder after {applied} vs ours")
+        ortref.assert_close(ref, stock, names, ortref.REFERENCE_RTOL, ortref.REFERENCE_ATOL,
+                            f"reference GradientGraphBuilder after {applied} vs ours")
 
 
 def test_summary_table(venv_ok, capsys):
