@@ -152,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     if ckpt_dir is not None:
         session.export_inference_model(ckpt_dir / INFERENCE_NAME)
     if losses:
-        print(f"step {session.step}: loss {losses[-1]:.6g}", file=sys.stderr)
+        where = f"; loss curve and checkpoint in {ckpt_dir}/" if ckpt_dir is not None else ""
+        print(f"step {session.step}: loss {losses[-1]:.6g} (first step of this run: {losses[0]:.6g}){where}",
+              file=sys.stderr)
     return 0
 
 
