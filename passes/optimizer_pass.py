@@ -115,7 +115,7 @@ class OptimizerPass(InPlacePass):
 
         def add_output(var: Var, name: str, like: ir.Value | None = None) -> None:
             value = var.value
-            owned = value.producer() is not None and any(value.producer() is n for n in b.nodes)
+            owned = b.owns(value)
             if not owned or value.is_graph_input() or value.is_graph_output():
                 value = b.Identity(var).value
             value.name = name

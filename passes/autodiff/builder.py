@@ -182,10 +182,20 @@ class GradBuilder:
         self.opset = opset
         self.opset_imports = dict(opset_imports or {"": opset})
         self.nodes: list[ir.Node] = []
+        self._node_ids: set[int] = set()
         self.prefix = "grad"
         self._counter = 0
         self._consts: dict[tuple[bytes, str, tuple[int, ...]], Var] = {}
         self._wrapped: dict[int, Var] = {}
+
+    def _append(self, node: ir.Node) -> None:
+        self.nodes.append(node)
+        self._node_ids.add(id(node))
+
+    def owns(self, value: ir.Value) -> bool:
+        """Whether ``value`` is produced by a node this builder made."""
+        producer = value.producer()
+        return producer is not None and id(producer) in self._node_ids
 
     # ---- values -------------------------------------------------------------------------
     def wrap(self, value: ir.Value) -> Var:
@@ -220,7 +230,7 @@ class GradBuilder:
         out.type = ir.TensorType(tensor.dtype)
         out.shape = ir.Shape(arr.shape)
         out.const_value = tensor
-        self.nodes.append(node)
+        self._append(node)
         var = self.wrap(out)
         self._consts[key] = var
         return var
@@ -280,7 +290,7 @@ class GradBuilder:
             out.name = f"{node.name}:{i}" if _outputs > 1 else node.name
             if dtype is not None and i == 0:
                 out.type = ir.TensorType(dtype)
-        self.nodes.append(node)
+        self._append(node)
         wrapped = [self.wrap(o) for o in node.outputs]
         return wrapped[0] if _outputs == 1 else wrapped
 

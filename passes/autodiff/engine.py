@@ -218,7 +218,6 @@ class GradientBuilder:
         total = self._sweep(active, needs, toward_loss, seeds)
 
         b.prefix = "grad_outputs"
-        self._owned = {id(n) for n in b.nodes}
         results: dict[str, ir.Value] = {}
         for w in self.weights:
             g = total(w) if id(w) in needs else None
@@ -309,7 +308,7 @@ class GradientBuilder:
         name = f"{w.name}{self.options.grad_suffix}"
         value = g.value
         producer = value.producer()
-        owned = producer is not None and id(producer) in self._owned
+        owned = self.b.owns(value)
         if not owned or producer.op_type == "Constant" or value.is_graph_output() or \
                 value.name in self._exposed_names:
             value = self.b.Identity(g).value
