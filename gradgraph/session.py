@@ -37,10 +37,16 @@ _DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 
 
 def _provider_names(providers: Sequence[Any] | None) -> list[Any]:
-    if providers:
-        return list(providers)
     available = ort.get_available_providers()
-    return [p for p in _DEFAULT_PROVIDERS if p in available]
+    if not providers:
+        return [p for p in _DEFAULT_PROVIDERS if p in available]
+    for provider in providers:
+        name = provider if isinstance(provider, str) else provider[0]
+        if name not in available:
+            hint = " (install onnxruntime-gpu instead of onnxruntime)" if name == "CUDAExecutionProvider" else ""
+            raise ValueError(f"execution provider {name!r} is not available in this onnxruntime "
+                             f"build{hint}; available: {available}")
+    return list(providers)
 
 
 def _device_of(providers: Sequence[Any]) -> tuple[str, int]:

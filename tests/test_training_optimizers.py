@@ -130,3 +130,12 @@ def test_cuda_matches_cpu() -> None:
                                [cpu.train_step(f, lr=LR) for f in batches], rtol=1e-5)
     for name, value in cpu.get_state().items():
         assert_close_tensor(cuda.get_state()[name], value, name)
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(),
+                    reason="this onnxruntime build has CUDA")
+def test_cuda_request_without_cuda_build_is_a_clear_error() -> None:
+    _, model = _mlp()
+    config = TrainingConfig("loss", AdamWConfig())
+    with pytest.raises(ValueError, match="CUDAExecutionProvider.*onnxruntime-gpu"):
+        TrainingSession(model, config, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
