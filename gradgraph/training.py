@@ -55,9 +55,9 @@ class TrainingConfig:
     names: TrainingNames = TrainingNames()
 
     def optimizer_settings(self) -> OptimizerSettings:
-        return OptimizerSettings(self.optimizer, tuple(self.groups), self.accumulation_steps,
-                                 self.max_grad_norm, self.clip_eps, self.keep_gradient_outputs,
-                                 self.names)
+        """The optimizer-pass settings: the fields this config shares with OptimizerSettings."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(OptimizerSettings)}
+        return OptimizerSettings(**{**shared, "groups": tuple(self.groups)})
 
 
 @dataclasses.dataclass
