@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-_NP_OF_ORT = {
+NP_OF_ORT = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
     "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
     "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(int16)": np.int16,
@@ -38,7 +38,7 @@ def check_feeds(inputs: Iterable[ort.NodeArg], feeds: Mapping[str, Any], source:
         if isinstance(value, ort.OrtValue):
             continue
         array = np.asarray(value)
-        want = _NP_OF_ORT.get(arg.type)
+        want = NP_OF_ORT.get(arg.type)
         if want is not None and array.dtype != want and not np.can_cast(array.dtype, want, "same_kind"):
             raise InputError(f"input {arg.name!r} from {source} has dtype {array.dtype}; the model "
                              f"expects {np.dtype(want).name}")

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from gradgraph.feeds import check_feeds
+from gradgraph.feeds import NP_OF_ORT, check_feeds
 from passes.optimizer_pass import TrainingNames
 
 # onnxruntime optimizers that must not run on training graphs (real dropout must stay).
@@ -53,7 +53,7 @@ class StateStore:
 
     def get_spec(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
         value = self.values[name]
-        return tuple(value.shape()), np.dtype(_NP_OF_ORT[value.data_type()])
+        return tuple(value.shape()), np.dtype(NP_OF_ORT[value.data_type()])
 
     def spare(self, name: str) -> ort.OrtValue:
         spare = self._spares.get(name)
@@ -68,11 +68,6 @@ class StateStore:
         self.values[name], self._spares[name] = self._spares[name], self.values[name]
 
 
-_NP_OF_ORT = {
-    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
-    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
-}
 
 
 class GraphRunner:
@@ -108,7 +103,7 @@ class GraphRunner:
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
                 continue
-            array = np.array(value, dtype=_NP_OF_ORT.get(self.input_types[name]), order="C", copy=None)
+            array = np.array(value, dtype=NP_OF_ORT.get(self.input_types[name]), order="C", copy=None)
             kept.append(array)
             binding.bind_cpu_input(name, array)
         for name, out in self.updates.items():
