@@ -6,6 +6,10 @@ through IOBinding and swaps them with the updated outputs. With ``accumulation_s
 micro-steps 1..N-1 run the accumulate graph and micro-step N the training graph, which also
 applies the optimizer.
 
+A step whose loss, new weights or new optimizer state are not finite is skipped inside the
+graph (nothing changes, the step counter included); ``last_step_finite`` and
+``skipped_steps`` report it.
+
 Dropout is real in training (onnxruntime's EliminateDropout is disabled) and off in eval.
 Its random stream is onnxruntime's and is not part of checkpoints: resuming is bit-identical
 for models without active dropout.
@@ -94,6 +98,10 @@ class TrainingSession:
         self._eval = GraphRunner(art.eval, *args)
         self.micro_step = 0
         self.learning_rate: float | None = None
+        # Optimizer steps skipped because the loss, weights or state would turn NaN/inf.
+        self.skipped_steps = 0
+        self.last_step_finite = True
+        self._finite_output = self.names.finite if self.names.finite in self._train.fetchable else None
         if initial_optimizer_state:
             self._load_optimizer_state(initial_optimizer_state)
 
@@ -188,8 +196,12 @@ class TrainingSession:
             feeds.pop(names.learning_rate, None)
         loss = self.config.loss
         wanted = [loss] + [f for f in fetches if f != loss]
-        out = runner.run(self.store, feeds, wanted)
+        check_finite = applying and self._finite_output is not None and self._finite_output not in wanted
+        out = runner.run(self.store, feeds, wanted + ([self._finite_output] if check_finite else []))
         self.micro_step = 0 if applying else self.micro_step + 1
+        if applying and self._finite_output is not None:
+            self.last_step_finite = bool(out[self._finite_output])
+            self.skipped_steps += not self.last_step_finite
         value = float(np.asarray(out[loss]).reshape(-1)[0]) if out[loss].size == 1 else float("nan")
         return (value, out) if fetches else value
 
@@ -212,6 +224,7 @@ class TrainingSession:
         meta = {"step": self.step, "micro_step": self.micro_step,
                 "optimizer": self.config.optimizer.name,
                 "accumulation_steps": self.config.accumulation_steps,
+                "skipped_steps": self.skipped_steps,
                 "model": self.artifacts.params, "user": dict(user_dict or {})}
         write_checkpoint(path, state, meta)
 
@@ -225,6 +238,8 @@ class TrainingSession:
             self.load_state(tensors, strict=strict)
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {str(path)!r}: {exc}") from exc
+        skipped = meta.get("skipped_steps", 0)
+        self.skipped_steps = skipped if isinstance(skipped, int) and skipped >= 0 else 0
         return dict(meta.get("user", {}))
 
     def inference_model(self) -> onnx.ModelProto:

@@ -52,6 +52,8 @@ class TrainingConfig:
     max_grad_norm: float | None = None
     clip_eps: float = 1e-6
     keep_gradient_outputs: bool = False
+    # A step whose loss, weights or optimizer state turn NaN/inf is skipped (state untouched).
+    skip_non_finite: bool = True
     names: TrainingNames = TrainingNames()
 
     def optimizer_settings(self) -> OptimizerSettings:
@@ -138,7 +140,8 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
 
     def variant(apply: bool) -> onnx.ModelProto:
         m = ir.from_proto(gradient_proto)
-        OptimizerPass(settings, _gradients_by_name(m, trained), apply=apply)(m)
+        loss = next(v for v in m.graph.outputs if v.name == config.loss)
+        OptimizerPass(settings, _gradients_by_name(m, trained), apply=apply, loss=loss)(m)
         return _finish(m)
 
     train = variant(True)

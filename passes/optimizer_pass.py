@@ -13,7 +13,11 @@ gradient values from ``GradientPass``:
    ``global_gradient_norm``;
 4. inputs ``learning_rate`` (float scalar) and ``step`` (int64 scalar, updates done so far),
    and per trained weight its optimizer state ``<w>.<state>``; the optimizer rule emits the
-   new weight ``<w>.out``, new state ``<w>.<state>.out`` and ``step.out = step + 1``.
+   new weight ``<w>.out``, new state ``<w>.<state>.out`` and ``step.out = step + 1``;
+5. with ``skip_non_finite`` (the default): the bool scalar output ``step_finite`` is true when
+   the loss and every new weight and state are finite (a NaN/inf gradient, learning rate or
+   hyper-parameter makes them non-finite); when it is false every ``X.out`` is ``X`` itself,
+   bit for bit (``Where(finite, new, old)``), the step counter included: the step is skipped.
 
 Every state input ``X`` that changes has the output ``X.out``; runtimes bind one to the other.
 """
@@ -42,6 +46,7 @@ class TrainingNames:
     buffer_out_suffix: str = "_grad.accumulation.out"
     reset: str = "lazy_reset_grad"
     grad_norm: str = "global_gradient_norm"
+    finite: str = "step_finite"
 
     def out(self, name: str) -> str:
         return name + self.out_suffix
@@ -71,6 +76,8 @@ class OptimizerSettings:
     # torch.nn.utils.clip_grad_norm_ divides by (total_norm + clip_eps).
     clip_eps: float = 1e-6
     keep_gradient_outputs: bool = False
+    # Leave weights and state untouched when the step is not finite (see the module docstring).
+    skip_non_finite: bool = True
     names: TrainingNames = TrainingNames()
 
     def __post_init__(self) -> None:
@@ -82,11 +89,12 @@ class OptimizerSettings:
 
 class OptimizerPass(InPlacePass):
     def __init__(self, settings: OptimizerSettings, gradients: Mapping[str, ir.Value],
-                 apply: bool = True) -> None:
+                 apply: bool = True, loss: ir.Value | None = None) -> None:
         super().__init__()
         self.settings = settings
         self.gradients = dict(gradients)
         self.apply = apply
+        self.loss = loss
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
@@ -113,7 +121,8 @@ class OptimizerPass(InPlacePass):
             graph.inputs.append(value)
             return b.wrap(value)
 
-        def add_output(var: Var, name: str, like: ir.Value | None = None) -> None:
+        def add_output(var: Var, name: str, like: ir.Value | None = None,
+                       scalar: ir.DataType = ir.DataType.FLOAT) -> None:
             value = var.value
             owned = b.owns(value)
             if not owned or value.is_graph_input() or value.is_graph_output():
@@ -121,8 +130,8 @@ class OptimizerPass(InPlacePass):
             value.name = name
             if like is not None:
                 value.type, value.shape = like.type, like.shape
-            else:  # the only unlike output is the float scalar gradient norm
-                value.type, value.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
+            else:  # unlike outputs are scalars: the gradient norm, the finite flag
+                value.type, value.shape = ir.TensorType(scalar), ir.Shape([])
             outputs.append(value)
 
         if s.accumulation_steps > 1:
@@ -140,15 +149,26 @@ class OptimizerPass(InPlacePass):
             lr = add_input(names.learning_rate, None, ir.DataType.FLOAT)
             step = add_input(names.step, None, ir.DataType.INT64)
             sc = StepScalars(b, lr, step)
+            updates: list[tuple[Var, Var, str, ir.Value]] = []  # (new, old, output name, like)
             for w in weights:
                 cfg, lr_scale = resolve(s.optimizer, s.groups, w)
                 state = {k: add_input(names.state(w, k), inputs[w]) for k in cfg.state_names()}
                 new_w, new_state = rule_for(cfg)(b, cfg, b.wrap(inputs[w]), grads[w], state, sc,
                                                  lr_scale)
-                add_output(new_w, names.out(w), inputs[w])
+                updates.append((new_w, b.wrap(inputs[w]), names.out(w), inputs[w]))
                 for k, v in new_state.items():
-                    add_output(v, names.out(names.state(w, k)), inputs[w])
-            add_output(b.Add(step, 1), names.out(names.step), step.value)
+                    updates.append((v, state[k], names.out(names.state(w, k)), inputs[w]))
+            updates.append((b.Add(step, 1), step, names.out(names.step), step.value))
+            if s.skip_non_finite:
+                checked = [new for new, _, _, _ in updates[:-1]]
+                if self.loss is not None:
+                    checked.append(b.wrap(self.loss))
+                finite = _all_finite(b, checked)
+                updates = [(b.Where(finite, new, old), old, name, like)
+                           for new, old, name, like in updates]
+                add_output(finite, names.finite, None, ir.DataType.BOOL)
+            for new, _, name, like in updates:
+                add_output(new, name, like)
         _uniquify(graph, b.nodes)
         graph.extend(b.nodes)
         graph.outputs.extend(outputs)
@@ -164,6 +184,17 @@ class OptimizerPass(InPlacePass):
         for w, g in grads.items():
             grads[w] = g * b.cast_to(coef, g.dtype)
         add_output(total, s.names.grad_norm)
+
+
+def _all_finite(b: GradBuilder, values: list[Var]) -> Var:
+    """Bool scalar: every element of every value is finite.
+
+    ``x * 0`` is 0 for finite x and NaN for NaN/inf, so the sum of those products is 0 or NaN
+    (no overflow, unlike summing the values themselves).
+    """
+    f32 = ir.DataType.FLOAT
+    zeros = [b.cast_to(b.reduce("ReduceSum", v * 0.0, None, keepdims=0), f32) for v in values]
+    return b.Not(b.IsNaN(zeros[0] if len(zeros) == 1 else b.Sum(*zeros)))
 
 
 def _uniquify(graph: ir.Graph, nodes: list[ir.Node]) -> None:
