@@ -1,6 +1,8 @@
 """PrepareForGradientPass: the clean-up every forward graph gets before autodiff.
 
 1. inline model-local functions (exporters emit them; rules see primitive ops);
+   recover torch parameters the exporter folded, mark torch's gradient conventions and
+   classify float initializers as parameters, buffers or constants (``passes.exports``);
 2. fold small nodes computed from Constant nodes only (shape arguments become constants);
 3. expose the masks of training-mode Dropout nodes;
 4. sort topologically, type sequence outputs, infer types and shapes (rules read them).
@@ -15,15 +17,24 @@ import onnx_ir.passes.common as common
 from onnx_ir.passes import InPlacePass, PassResult, Sequential
 
 from passes.expose_dropout_mask import ExposeDropoutMaskPass
+from passes.exports import ClassifyWeightsPass, RecoverParametersPass, TorchConventionsPass
 from passes.fold_constants import FoldConstantsPass
 from passes.sequence_types import TypeSequenceOutputsPass
 
 
 class PrepareForGradientPass(InPlacePass):
+    def __init__(self, strict_parameters: bool = True) -> None:
+        super().__init__()
+        # Refuse exports whose parameters were folded irreversibly (see RecoverParametersPass).
+        self.strict_parameters = strict_parameters
+
     def call(self, model: ir.Model) -> PassResult:
         steps = Sequential(
             common.InlinePass(),
             common.RemoveUnusedFunctionsPass(),
+            RecoverParametersPass(strict=self.strict_parameters),
+            TorchConventionsPass(),
+            ClassifyWeightsPass(),
             common.TopologicalSortPass(),
             FoldConstantsPass(),
             ExposeDropoutMaskPass(),

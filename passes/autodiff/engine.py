@@ -22,6 +22,10 @@ from passes.autodiff.builder import GradBuilder, NodeView, Var, shape_dims
 from passes.autodiff.errors import GradientError
 from passes.autodiff.registry import GradRule, lookup
 
+# The mark passes.exports.ClassifyWeightsPass puts on initializers (parameter/buffer/constant);
+# when present, the default trained set is the parameters.
+WEIGHT_KIND_KEY = "gradgraph.weight_kind"
+
 # Error messages show at most this many value names on the path from a node to the loss.
 MAX_PATH_SHOWN = 64
 
@@ -145,8 +149,11 @@ class GradientBuilder:
         return value
 
     def _find_weights(self, names: Sequence[str] | None) -> list[ir.Value]:
-        if names is None:  # every float initializer; those off the loss path are dropped later
-            return [v for v in self.graph.initializers.values() if v.dtype in FLOAT_TYPES]
+        if names is None:  # the default trained set; those off the loss path are dropped later
+            floats = [v for v in self.graph.initializers.values() if v.dtype in FLOAT_TYPES]
+            if any(WEIGHT_KIND_KEY in v.metadata_props for v in floats):  # ClassifyWeightsPass ran
+                return [v for v in floats if v.metadata_props.get(WEIGHT_KIND_KEY) == "parameter"]
+            return floats
         found = []
         for name in names:
             value = self.values.get(name)
@@ -204,7 +211,8 @@ class GradientBuilder:
         if self._all_initializers:
             self.weights = [w for w in self.weights if id(w) in needs]
             if not self.weights:
-                raise GradientError(f"no floating-point initializer reaches loss {self.loss.name!r}")
+                raise GradientError(f"no parameter (floating-point initializer) reaches loss "
+                                    f"{self.loss.name!r}; name the weights to train explicitly")
         unused = [w for w in self.weights if id(w) not in needs]
         if unused and not self.options.allow_unused:
             w = unused[0]

@@ -187,15 +187,23 @@ def _gelu(b, n, g):
     return [g[0] * d]
 
 
+# Node metadata that says how Clip treats x exactly at a bound (set from an exporter's record of
+# the source op, see passes.exports.torch_conventions): "closed" passes the gradient there.
+CLIP_BOUNDS_KEY = "gradgraph.clip_bounds"
+
+
 @grad_rule("Clip", diff_inputs=(0,))
 def _clip(b, n, g):
-    """Gradient passes where min <= x <= max (inclusive, as torch.clamp)."""
+    """Gradient passes where min < x < max (torch's hardtanh/ReLU6, TF's relu6: the default), or
+    min <= x <= max when the node is marked ``closed`` (torch.clamp)."""
     x = n.inputs[0]
+    closed = n.node.metadata_props.get(CLIP_BOUNDS_KEY) == "closed"
+    above, below = ("GreaterOrEqual", "LessOrEqual") if closed else ("Greater", "Less")
     keep = None
     if n.has_input(1):
-        keep = b.GreaterOrEqual(x, n.inputs[1])
+        keep = b.op(above, x, n.inputs[1])
     if n.has_input(2):
-        upper = b.LessOrEqual(x, n.inputs[2])
+        upper = b.op(below, x, n.inputs[2])
         keep = upper if keep is None else b.And(keep, upper)
     if keep is None:
         return [g[0]]

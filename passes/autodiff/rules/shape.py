@@ -161,6 +161,11 @@ def _slice_by_pad(b, n, go):
     return b.Pad(go, b.Concat(pad_begin, pad_end, axis=0), mode="constant")
 
 
+# Node metadata naming a row of Gather's data that gets no gradient (torch's padding_idx; set by
+# passes.exports.torch_conventions from the export's record of aten.embedding).
+PADDING_IDX_KEY = "gradgraph.padding_idx"
+
+
 @grad_rule("Gather", diff_inputs=(0,))
 def _gather(b, n, g):
     """ScatterND-add the gradient rows back; the gathered axis is moved to the front."""
@@ -171,6 +176,11 @@ def _gather(b, n, g):
     go = g[0]
     size = b.dim(x, axis)
     idx = b.Where(b.Less(idx, 0), idx + b.Reshape(size, []), idx)
+    padding = n.node.metadata_props.get(PADDING_IDX_KEY)
+    if padding is not None and axis == 0:  # torch's embedding padding_idx: that row gets no gradient
+        hit = b.Equal(idx, b.CastLike(b.const(np.array(int(padding), np.int64)), idx))
+        hit = b.Unsqueeze(hit, list(range(irank, irank + rank - 1))) if rank > 1 else hit
+        go = b.Where(hit, b.const(0.0, go.dtype), go)
     if b.opset < 16:
         return [scatter_back(b, x, _replay(b, n, flat_ids(b, x), extra=[n.inputs[1]]), go), None]
     if axis != 0:

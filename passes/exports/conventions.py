@@ -1,0 +1,44 @@
+"""TorchConventionsPass: mark nodes whose torch gradient differs from the ONNX op's plain one.
+
+The ONNX op alone cannot say these; a dynamo export's FX provenance (``fx_call``) can:
+
+1. ``Gather`` from ``aten.embedding(weight, ids, padding_idx)`` with ``padding_idx >= 0``: the
+   padding row gets no gradient (``PADDING_IDX_KEY``);
+2. ``Clip`` from ``aten.clamp``/``aten.clip``: the gradient passes at the bounds
+   (``CLIP_BOUNDS_KEY = "closed"``). Without a mark, Clip follows ``aten.hardtanh`` (ReLU6):
+   no gradient at exactly min or max.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from passes.autodiff.rules.elementwise import CLIP_BOUNDS_KEY
+from passes.autodiff.rules.shape import PADDING_IDX_KEY
+from passes.exports.signature import fx_call
+
+_CLAMPS = frozenset({"aten.clamp.default", "aten.clamp.Tensor", "aten.clip.default",
+                     "aten.clamp_min.default", "aten.clamp_max.default"})
+
+
+class TorchConventionsPass(InPlacePass):
+    def call(self, model: ir.Model) -> PassResult:
+        modified = False
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            call = fx_call(node)
+            if call is None:
+                continue
+            if node.op_type == "Gather" and call.target == "aten.embedding.default" and len(call.args) >= 3:
+                try:
+                    padding = int(call.args[2])
+                except ValueError:
+                    continue
+                if padding >= 0 and node.metadata_props.get(PADDING_IDX_KEY) != str(padding):
+                    node.metadata_props[PADDING_IDX_KEY] = str(padding)
+                    modified = True
+            elif node.op_type == "Clip" and call.target in _CLAMPS:
+                if node.metadata_props.get(CLIP_BOUNDS_KEY) != "closed":
+                    node.metadata_props[CLIP_BOUNDS_KEY] = "closed"
+                    modified = True
+        return PassResult(model, modified)

@@ -1,0 +1,127 @@
+"""RecoverParametersPass: undo the exporter's folds of torch parameters where they are invertible.
+
+``torch.onnx.export`` (dynamo, ``optimize=True``) runs onnxscript's optimizer, which treats
+parameters as constants. Using the export signature (see :mod:`passes.exports.signature`):
+
+1. a parameter ``P`` folded alone into a 2-D constant ``V`` read by ``aten.linear`` nodes is
+   ``V = P^T``: ``P`` is restored as an initializer and ``V`` becomes ``Transpose(P)``;
+2. parameters with equal values merged into one initializer ``X``: each use of ``X`` by a node
+   whose FX call names a different, missing parameter ``Q`` is given its own initializer ``Q``
+   (a copy of ``X``'s value), so each parameter gets its own gradient;
+3. any other parameter that the graph's FX calls or folded constants name but that is no longer
+   an initializer (folded with other values, e.g. Conv+BatchNorm fusion; dropped because it
+   was zero; or an initializer that kept its name but holds folded values) cannot be
+   recovered: with ``strict`` a :class:`GradientError` names them and the export option that
+   avoids the fold; otherwise they are listed in ``self.lost``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from passes.autodiff.errors import GradientError
+from passes.exports.signature import TorchSignature, folded_from, fx_call
+
+# FX targets whose weight operand is used transposed (torch.nn.functional.linear).
+_LINEAR = frozenset({"aten.linear.default"})
+REEXPORT_HINT = ("re-export with torch.onnx.export(..., optimize=False) so that parameters stay "
+                 "initializers, or name the weights to train explicitly")
+
+
+class RecoverParametersPass(InPlacePass):
+    def __init__(self, strict: bool = True) -> None:
+        super().__init__()
+        self.strict = strict
+        self.lost: list[str] = []
+        self.recovered: dict[str, str] = {}  # parameter -> how
+
+    def call(self, model: ir.Model) -> PassResult:
+        signature = TorchSignature.read(model)
+        if signature is None:
+            return PassResult(model, False)
+        graph = model.graph
+        placeholders = signature.targets("PARAMETER")
+        present = set(graph.initializers) | {v.name for v in graph.inputs}
+        missing = {fqn for fqn in placeholders.values() if fqn not in present}
+        modified = self._untranspose(graph, placeholders, missing)
+        modified |= self._unmerge(graph, placeholders, missing)
+        self._find_lost(graph, placeholders, missing)
+        if self.lost and self.strict:
+            raise GradientError(
+                f"the exporter's optimizer folded torch parameter(s) {self.lost} into other "
+                f"constants in a way gradgraph cannot undo; {REEXPORT_HINT}")
+        return PassResult(model, modified)
+
+    def _untranspose(self, graph: ir.Graph, placeholders: dict[str, str], missing: set[str]) -> bool:
+        modified = False
+        fqn_placeholder = {fqn: p for p, fqn in placeholders.items()}
+        for name, value in list(graph.initializers.items()):
+            sources = folded_from(value)
+            if len(sources) != 1 or sources[0] not in missing or value.const_value is None:
+                continue
+            param = sources[0]
+            calls = [fx_call(node) for node, _ in value.uses()]
+            linear = all(c is not None and c.target in _LINEAR
+                         and fqn_placeholder[param] in c.placeholders() for c in calls)
+            if not calls or not linear or len(value.shape or ()) != 2:
+                continue
+            data = np.ascontiguousarray(value.const_value.numpy().T)
+            restored = ir.Value(name=param, shape=ir.Shape(data.shape), type=value.type,
+                                const_value=ir.tensor(data, name=param))
+            restored.metadata_props["gradgraph.recovered"] = f"transpose of folded {name}"
+            graph.register_initializer(restored)
+            node = ir.Node("", "Transpose", [restored], [ir.AttrInt64s("perm", [1, 0])],
+                           name=f"{param}/Transpose")
+            graph.initializers.pop(name)
+            value.replace_all_uses_with(node.outputs[0])
+            node.outputs[0].name = name
+            node.outputs[0].shape, node.outputs[0].type = value.shape, value.type
+            graph.insert_before(graph.node(0), node) if len(graph) else graph.append(node)
+            missing.discard(param)
+            self.recovered[param] = "transposed copy"
+            modified = True
+        return modified
+
+    def _unmerge(self, graph: ir.Graph, placeholders: dict[str, str], missing: set[str]) -> bool:
+        modified = False
+        own_placeholder = {fqn: p for p, fqn in placeholders.items()}
+        for name, value in list(graph.initializers.items()):
+            if name not in own_placeholder or value.const_value is None:
+                continue
+            copies: dict[str, ir.Value] = {}
+            for node, index in list(value.uses()):
+                call = fx_call(node)
+                if call is None or own_placeholder[name] in call.placeholders():
+                    continue
+                others = [placeholders[p] for p in call.placeholders()
+                          if p in placeholders and placeholders[p] in missing | set(copies)]
+                if len(others) != 1:
+                    continue
+                param = others[0]
+                if param not in copies:
+                    copy = ir.Value(name=param, shape=value.shape, type=value.type,
+                                    const_value=ir.tensor(value.const_value.numpy().copy(), name=param))
+                    copy.metadata_props["gradgraph.recovered"] = f"merged into {name} (equal values)"
+                    graph.register_initializer(copy)
+                    copies[param] = copy
+                    missing.discard(param)
+                    self.recovered[param] = f"equal-valued copy of {name}"
+                node.replace_input_with(index, copies[param])
+                modified = True
+        return modified
+
+    def _find_lost(self, graph: ir.Graph, placeholders: dict[str, str], missing: set[str]) -> None:
+        named: set[str] = set()
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            call = fx_call(node)
+            if call is not None:
+                named.update(placeholders[p] for p in call.placeholders() if p in placeholders)
+        refolded = []
+        for name, value in graph.initializers.items():
+            sources = folded_from(value)
+            named.update(s for s in sources if s in missing)
+            if name in placeholders.values() and sources:
+                refolded.append(name)  # kept a parameter's name, holds folded values
+        self.lost = sorted((missing & named) | set(refolded))
