@@ -4,6 +4,7 @@ from gradgraph.api import GradientGraphBuilder, build_gradient_graph
 from gradgraph.parameters import TrainingParameters
 from gradgraph.session import TrainingSession
 from gradgraph.training import TrainingConfig, build_training_artifacts
+from gradgraph.weights import WeightInfo, format_weights, list_weights
 from passes.autodiff import GradientError, GradientOptions, grad_rule
 from passes.optimizers import AdamConfig, AdamWConfig, LambConfig, ParamGroup, SGDConfig
 
@@ -21,6 +22,9 @@ __all__ = [
     "TrainingConfig",
     "TrainingParameters",
     "TrainingSession",
+    "WeightInfo",
+    "format_weights",
+    "list_weights",
     "build_training_artifacts",
     "build_gradient_graph",
     "grad_rule",

@@ -4,31 +4,43 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import onnx
 import onnx_ir as ir
+from onnx_ir.passes import Sequential
 
 from gradgraph.compat import for_runtime
 from gradgraph.io import atomic_write_bytes, load_model
 from gradgraph.pipeline import Pipeline, Stage
+from gradgraph.validate import check_names, unknown_names
 from passes.autodiff import GradientError, GradientOptions
 from passes.gradient import GradientPass
 from passes.prepare import PrepareForGradientPass
+from passes.reduce_loss import ReduceLossPass
 
 
-def gradient_pipeline(loss: str, weights_to_train: Sequence[str] | None, options: GradientOptions) -> Pipeline:
-    """The declared stages of gradient construction (each stage's model can be saved)."""
+def gradient_pipeline(loss: str, weights_to_train: Sequence[str] | None, options: GradientOptions,
+                      loss_reduction: str | None = None) -> Pipeline:
+    """The declared stages of gradient construction (each stage's model can be saved).
+
+    The forward stage refuses exports whose parameters were folded irreversibly only when
+    the trained set is the default one (``weights_to_train=None``).
+    """
+    forward = Sequential(PrepareForGradientPass(strict_parameters=weights_to_train is None),
+                         *([] if options.seed_from_input else [ReduceLossPass(loss, loss_reduction)]))
     return Pipeline([
-        Stage("forward", PrepareForGradientPass()),
+        Stage("forward", forward),
         Stage("gradient", GradientPass(loss, weights_to_train, options)),
     ])
 
 
 def build_gradient_graph(
-    model: onnx.ModelProto | str | os.PathLike | bytes,
+    model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | Any,
     loss: str,
     weights_to_train: Iterable[str] | None = None,
     *,
+    loss_reduction: str | None = None,
     allow_unused: bool = False,
     seed_from_input: bool = False,
     save_stages: str | os.PathLike | None = None,
@@ -38,10 +50,12 @@ def build_gradient_graph(
     """Return ``model`` plus the gradient of ``loss`` w.r.t. ``weights_to_train``.
 
     The result keeps the forward inputs, initializers and outputs, and adds one
-    output ``<name>_grad`` per trained name (same dtype and shape). ``weights_to_train``
-    names initializers and/or graph inputs; ``None`` means every floating-point
-    initializer that reaches the loss. A scalar loss is seeded with 1; with
-    ``seed_from_input`` the seed is an extra input ``<loss>_grad``. Raises
+    output ``<name>_grad`` per trained name (same dtype and shape). ``model`` is a path,
+    bytes, an ``onnx.ModelProto``, an ``onnx_ir.Model`` or a ``torch.onnx.ONNXProgram``.
+    ``weights_to_train`` names initializers and/or graph inputs; ``None`` means the model's
+    parameters that reach the loss (see :func:`gradgraph.list_weights`). A scalar loss is
+    seeded with 1; a non-scalar one needs ``loss_reduction`` ("sum" or "mean"), or
+    ``seed_from_input``: then the seed is an extra input ``<loss>_grad``. Raises
     :class:`GradientError` for anything it refuses; nothing is written then.
 
     ``target_ir_version``/``max_opset`` make the result loadable by an older runtime
@@ -49,17 +63,25 @@ def build_gradient_graph(
     forward model is converted down to ``max_opset`` first, so the gradient rules emit ops
     valid there, and the result's IR version is lowered (see :func:`gradgraph.compat.for_runtime`).
     """
+    if weights_to_train is not None:
+        check_names("weights_to_train", weights_to_train)
+        weights_to_train = list(weights_to_train)
+        if len(set(weights_to_train)) != len(weights_to_train):
+            dup = next(w for w in weights_to_train if weights_to_train.count(w) > 1)
+            raise GradientError(f"weights_to_train names {dup!r} more than once")
     ir_model = load_model(model)
+    if weights_to_train is not None:
+        known = set(ir_model.graph.initializers) | {v.name for v in ir_model.graph.inputs}
+        unknown_names("weights_to_train", weights_to_train, known)
     targeting = target_ir_version is not None or max_opset is not None
     if targeting:
         limits = {"max_ir_version": target_ir_version if target_ir_version is not None else 10**6,
                   "max_opset": max_opset if max_opset is not None else 10**6}
         ir_model = ir.from_proto(for_runtime(ir.to_proto(ir_model), **limits))
     weights = None if weights_to_train is None else list(weights_to_train)
-    if isinstance(weights_to_train, str):
-        raise GradientError("weights_to_train must be a list of names, not a single string")
     options = GradientOptions(allow_unused=allow_unused, seed_from_input=seed_from_input)
-    result = gradient_pipeline(loss, weights, options).run(ir_model, save_dir=save_stages)
+    pipeline = gradient_pipeline(loss, weights, options, loss_reduction)
+    result = pipeline.run(ir_model, save_dir=save_stages)
     proto = ir.to_proto(result)
     return for_runtime(proto, **limits) if targeting else proto
 

@@ -6,6 +6,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -31,14 +32,18 @@ def _upgrade(proto: onnx.ModelProto, source: str) -> onnx.ModelProto:
         ) from exc
 
 
-def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes) -> ir.Model:
-    """An ``ir.Model`` from a ModelProto, serialized bytes or a file path.
+def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | Any) -> ir.Model:
+    """An ``ir.Model`` from a ModelProto, an ``onnx_ir.Model`` or ``torch.onnx.ONNXProgram``
+    (copied, never edited), serialized bytes or a file path.
 
     A missing or malformed file raises :class:`GradientError` naming it; models below
     opset 13 are converted to opset 13.
     """
-    if isinstance(model, ir.Model):
-        return model
+    program_model = getattr(model, "model", None)  # torch.onnx.ONNXProgram
+    if isinstance(program_model, ir.Model):
+        model = program_model
+    if isinstance(model, ir.Model):  # passes edit in place: work on a copy
+        return ir.from_proto(_upgrade(ir.to_proto(model), "the model"))
     if isinstance(model, onnx.ModelProto):
         return ir.from_proto(_upgrade(model, "the model"))
     if isinstance(model, bytes):

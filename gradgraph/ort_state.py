@@ -84,13 +84,16 @@ class GraphRunner:
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.held_inputs = [n for n in inputs if n in held]
         self.feed_names = [n for n in inputs if n not in held]
+        self.internal = [n for n in (names.learning_rate, names.reset) if n in inputs]
         self.updates = {n: names.updated(n) for n in self.held_inputs
                         if names.updated(n) in outputs}
         updated = set(self.updates.values())
         self.fetchable = [n for n in outputs if n not in updated]
 
     def run(self, store: StateStore, feeds: Mapping[str, Any], fetches: Sequence[str]) -> dict[str, np.ndarray]:
-        check_feeds(self.session.get_inputs(), feeds, skip=self.held_inputs)
+        # The session feeds the learning rate and the accumulation reset itself: a user's data
+        # is checked against the model's own inputs only.
+        check_feeds(self.session.get_inputs(), feeds, skip=self.held_inputs + self.internal)
         unknown = [n for n in fetches if n not in self.fetchable]
         if unknown:
             raise ValueError(f"cannot fetch {unknown}; this graph outputs {self.fetchable}")

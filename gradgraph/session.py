@@ -35,6 +35,7 @@ from gradgraph.training import (
     build_training_artifacts,
     inference_model,
 )
+from passes.autodiff import GradientError
 
 MICRO_STEP_KEY = "micro_step"
 _DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
@@ -202,7 +203,10 @@ class TrainingSession:
         if applying and self._finite_output is not None:
             self.last_step_finite = bool(out[self._finite_output])
             self.skipped_steps += not self.last_step_finite
-        value = float(np.asarray(out[loss]).reshape(-1)[0]) if out[loss].size == 1 else float("nan")
+        if out[loss].size != 1:
+            raise GradientError(f"loss {loss!r} has shape {list(out[loss].shape)}, not a scalar; "
+                                "reduce it in the model or set loss_reduction='sum' or 'mean'")
+        value = float(np.asarray(out[loss]).reshape(-1)[0])
         return (value, out) if fetches else value
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],

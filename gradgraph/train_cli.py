@@ -1,28 +1,46 @@
 """``gradgraph train``: train an ONNX model whose graph computes its own loss.
 
-``add_parser(subparsers)`` registers the sub-command; ``main(argv)`` runs it stand-alone
-(``python -m gradgraph.train_cli MODEL.onnx --loss loss --data data.npz ...``).
-
-Data: an ``.npz`` whose arrays are named after the model's inputs, batched along axis 0.
-Micro-batch ``k`` (counted over the whole run) takes rows ``k*B .. k*B+B-1`` modulo the row
-count, so a resumed run reads the same stream. With ``--checkpoint-dir`` the latest state
-goes to ``checkpoint.safetensors`` (every ``--checkpoint-every`` steps and at the end), the
-loss curve to ``loss.png`` and the trained inference model to ``inference.onnx``.
+``add_parser(subparsers)`` registers the sub-command; ``run(args)`` runs it. Help text for
+users is ``DESCRIPTION`` (what ``gradgraph train -h`` prints).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from gradgraph.feeds import InputError, load_npz
 from gradgraph.schedules import KINDS, Schedule
 from passes.optimizers import config_type
+
+DESCRIPTION = """\
+Train an ONNX model whose graph outputs its own loss (e.g. a torch.onnx.export of a module
+whose forward returns the loss). By default the model's parameters are trained (see
+--list-weights); buffers and exporter constants stay fixed.
+
+Data: an .npz with one array per model input, batched along axis 0 (extra arrays are an
+error). Micro-batch k of the run takes rows k*B .. k*B+B-1, wrapping around the data, so
+every batch is full and a resumed run reads the same stream. A model exported with a fixed
+batch dimension is made batch-dynamic when --batch-size differs from it.
+
+A step whose loss, weights or optimizer state would turn NaN/inf is skipped (nothing
+changes); after --max-skipped skipped steps in a row the run stops with exit status 3.
+With --checkpoint-dir the latest state goes to checkpoint.safetensors, the loss curve to
+loss.png and the trained model to inference.onnx. Ctrl-C saves a checkpoint and exits 130.
+
+Exit status: 0 done; 1 internal error; 2 a user error (one line on stderr, nothing written);
+3 training diverged (too many non-finite steps in a row); 130 interrupted.
+"""
+EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 CURVE_NAME = "loss.png"
@@ -31,33 +49,93 @@ INFERENCE_NAME = "inference.onnx"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train an ONNX model (forward graph with a loss output)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="forward model (.onnx) whose graph outputs the loss")
-    p.add_argument("--loss", required=True, help="name of the scalar loss output")
-    p.add_argument("--data", required=True, help=".npz with one array per model input")
-    p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw", "lamb"])
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
-    p.add_argument("--weight-decay", type=float, default=None, help="optimizer weight decay")
+    p.add_argument("--loss", required=True, help="name of the loss output")
+    p.add_argument("--data", help=".npz with one array per model input (required unless "
+                   "--list-weights)")
+    p.add_argument("--list-weights", action="store_true",
+                   help="print every float initializer, whether it is trained and why; then exit")
+    p.add_argument("--reduce", choices=["sum", "mean"], default=None,
+                   help="reduce a non-scalar loss (default: refuse one)")
+    p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw", "lamb"],
+                   help="optimizer (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="weight decay (default: the optimizer's: 0.01 for adamw, 0 otherwise)")
     p.add_argument("--no-decay", nargs="*", default=[], metavar="PATTERN",
                    help="weight name patterns trained without weight decay (e.g. '*.bias')")
-    p.add_argument("--freeze", nargs="*", default=[], metavar="NAME", help="weights not to train")
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps to reach")
-    p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--clip", type=float, default=None, help="global gradient-norm clipping threshold")
-    p.add_argument("--schedule", default="constant", choices=KINDS)
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: end only)")
+    p.add_argument("--freeze", nargs="*", default=[], metavar="NAME",
+                   help="weights not to train (exact names, see --list-weights)")
+    p.add_argument("--steps", type=int, help="optimizer steps to reach (required unless --list-weights)")
+    p.add_argument("--batch-size", type=int, help="rows per micro-batch (required unless --list-weights)")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches per optimizer step (default: %(default)s)")
+    p.add_argument("--clip", type=float, default=None,
+                   help="global gradient-norm clipping threshold (default: no clipping)")
+    p.add_argument("--schedule", default="constant", choices=KINDS,
+                   help="learning-rate schedule (default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps (default: %(default)s)")
+    p.add_argument("--max-skipped", type=int, default=5,
+                   help="stop (exit 3) after this many non-finite steps in a row (default: %(default)s)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where checkpoint.safetensors, loss.png and inference.onnx go (default: none)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="steps between checkpoints; 0: at the end only (default: %(default)s)")
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop (and checkpoint) at this step; the schedule still spans --steps")
     p.add_argument("--resume", action="store_true", help="continue from CHECKPOINT_DIR's checkpoint")
-    p.add_argument("--save-stages", default=None, help="directory for the intermediate models")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--save-stages", default=None, metavar="DIR",
+                   help="also save each build stage's model in DIR")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="execution provider (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Range checks of the numeric options: a user error, never a traceback or a silent no-op."""
+    def need(ok: bool, flag: str, what: str) -> None:
+        if not ok:
+            raise InputError(f"{flag} must be {what} (got {getattr(args, flag[2:].replace('-', '_'))})")
+
+    for flag in ("--data", "--steps", "--batch-size"):
+        if getattr(args, flag[2:].replace("-", "_")) is None:
+            raise InputError(f"{flag} is required (unless --list-weights)")
+    need(args.steps >= 1, "--steps", "a positive integer")
+    need(args.batch_size >= 1, "--batch-size", "a positive integer")
+    need(args.accumulate >= 1, "--accumulate", "a positive integer")
+    need(math.isfinite(args.lr) and args.lr > 0, "--lr", "a finite number > 0")
+    need(math.isfinite(args.momentum) and 0 <= args.momentum < 1, "--momentum", "in [0, 1)")
+    need(args.weight_decay is None or (math.isfinite(args.weight_decay) and args.weight_decay >= 0),
+         "--weight-decay", "a finite number >= 0")
+    need(args.clip is None or (math.isfinite(args.clip) and args.clip > 0), "--clip", "a finite number > 0")
+    need(0 <= args.warmup_steps <= args.steps, "--warmup-steps", "in [0, --steps]")
+    need(args.checkpoint_every >= 0, "--checkpoint-every", "an integer >= 0")
+    need(args.max_skipped >= 1, "--max-skipped", "a positive integer")
+    need(args.stop_at is None or args.stop_at >= 0, "--stop-at", "an integer >= 0")
+    if args.resume and args.checkpoint_dir is None:
+        raise InputError("--resume needs --checkpoint-dir (the folder holding " + CHECKPOINT_NAME + ")")
+
+
+def _checkpoint_dir(args: argparse.Namespace) -> Path | None:
+    """Create and probe the checkpoint folder before training, so a bad one fails in a second."""
+    if args.checkpoint_dir is None:
+        return None
+    path = Path(args.checkpoint_dir)
+    if args.resume and not (path / CHECKPOINT_NAME).is_file():
+        raise InputError(f"--resume: no {CHECKPOINT_NAME} in {str(path)!r} (train without --resume "
+                         "first, or point --checkpoint-dir at a run's folder)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".gradgraph-probe-"):
+            pass
+    except OSError as exc:
+        raise InputError(f"--checkpoint-dir {str(path)!r} is not a writable folder: {exc.strerror or exc}") from exc
+    return path
 
 
 def _optimizer(args: argparse.Namespace) -> object:
@@ -74,6 +152,22 @@ def _batch(data: dict[str, np.ndarray], index: int, size: int) -> dict[str, np.n
     rows = next(iter(data.values())).shape[0]
     take = (np.arange(size) + index * size) % rows
     return {k: v[take] for k, v in data.items()}
+
+
+def _check_data(data: dict[str, np.ndarray], inputs: Sequence[str], path: str) -> dict[str, np.ndarray]:
+    """The arrays for the model's user inputs: all present, none extra, the same row count."""
+    missing = [n for n in inputs if n not in data]
+    extra = sorted(set(data) - set(inputs))
+    if missing or extra:
+        raise InputError(f"data file {path!r} must hold exactly the model inputs {list(inputs)}: "
+                         f"missing {missing}, unexpected {extra}")
+    rows = {n: (data[n].shape[0] if data[n].ndim else None) for n in inputs}
+    if any(r is None for r in rows.values()) or len(set(rows.values())) != 1:
+        raise InputError(f"data file {path!r}: every array needs the same number of rows on axis 0; "
+                         f"got {rows}")
+    if next(iter(rows.values())) == 0:
+        raise InputError(f"data file {path!r} holds no rows")
+    return {n: data[n] for n in inputs}
 
 
 def save_curve(losses: Sequence[float], path: Path) -> None:
@@ -95,28 +189,35 @@ def save_curve(losses: Sequence[float], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from gradgraph.session import TrainingSession
     from gradgraph.training import TrainingConfig
     from passes.optimizers import ParamGroup
 
+    if args.list_weights:
+        from gradgraph.weights import format_weights, list_weights
+
+        print(format_weights(list_weights(args.model, args.loss)))
+        return 0
+    _validate(args)
+    ckpt_dir = _checkpoint_dir(args)
     data = load_npz(args.data, "data file")
-    if not data:
-        raise InputError(f"data file {args.data!r} holds no arrays")
     groups = (ParamGroup(tuple(args.no_decay), {"weight_decay": 0.0}),) if args.no_decay else ()
-    config = TrainingConfig(args.loss, _optimizer(args), weights_not_to_train=tuple(args.freeze),
-                            groups=groups, accumulation_steps=args.accumulate, max_grad_norm=args.clip)
+    try:
+        config = TrainingConfig(args.loss, _optimizer(args), weights_not_to_train=tuple(args.freeze),
+                                groups=groups, accumulation_steps=args.accumulate,
+                                max_grad_norm=args.clip, loss_reduction=args.reduce)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if args.device == "cuda" \
         else ["CPUExecutionProvider"]
-    session = TrainingSession(args.model, config, providers=providers, save_stages=args.save_stages)
+    model = _fit_batch(args.model, args.batch_size)
+    session = TrainingSession(model, config, providers=providers, save_stages=args.save_stages)
+    data = _check_data(data, session.artifacts.feeds, args.data)
     schedule = Schedule(args.schedule, args.lr, args.steps, args.warmup_steps)
-    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     losses: list[float] = []
-    if args.resume:
-        if ckpt_dir is None or not (ckpt_dir / CHECKPOINT_NAME).is_file():
-            raise SystemExit("--resume needs --checkpoint-dir holding " + CHECKPOINT_NAME)
+    if args.resume and ckpt_dir is not None:
         losses = list(session.load_checkpoint(ckpt_dir / CHECKPOINT_NAME).get("losses", []))
+    resumed_from = len(losses)
 
     def checkpoint() -> None:
         if ckpt_dir is not None:
@@ -125,37 +226,71 @@ def run(args: argparse.Namespace) -> int:
 
     bar = tqdm(total=args.steps, initial=session.step, disable=args.quiet, unit="step",
                mininterval=0.5 if sys.stderr.isatty() else 5.0)
-    start, done = time.perf_counter(), 0
+    start, done, in_a_row = time.perf_counter(), 0, 0
     micro = session.step * args.accumulate + session.micro_step
     last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
-    while session.step < last:
-        step = session.step
-        lr = schedule.lr_at(step)
-        micro_losses = []
-        while session.step == step:
-            try:
-                loss = session.train_step(_batch(data, micro, args.batch_size), lr=lr)
-            except InputError as exc:
-                bar.close()
-                raise InputError(f"data file {args.data!r} does not fit the model: {exc}") from exc
-            micro_losses.append(loss)
-            micro += 1
-        losses.append(float(np.mean(micro_losses)))
-        done += 1
-        bar.set_postfix(loss=f"{losses[-1]:.4g}", lr=f"{lr:.3g}",
-                        steps_per_s=f"{done / (time.perf_counter() - start):.1f}", refresh=False)
-        bar.update(1)
-        if args.checkpoint_every and session.step % args.checkpoint_every == 0:
-            checkpoint()
+    status = 0
+    try:
+        while session.step < last:
+            lr = schedule.lr_at(session.step)
+            micro_losses = []
+            for _ in range(args.accumulate - session.micro_step):
+                micro_losses.append(session.train_step(_batch(data, micro, args.batch_size), lr=lr))
+                micro += 1
+            if not session.last_step_finite:
+                in_a_row += 1
+                bar.set_postfix(skipped=session.skipped_steps, refresh=False)
+                if in_a_row >= args.max_skipped:
+                    status = EXIT_DIVERGED
+                    break
+                continue
+            in_a_row = 0
+            losses.append(float(np.mean(micro_losses)))
+            done += 1
+            bar.set_postfix(loss=f"{losses[-1]:.4g}", lr=f"{lr:.3g}", skipped=session.skipped_steps,
+                            steps_per_s=f"{done / (time.perf_counter() - start):.1f}", refresh=False)
+            bar.update(1)
+            if args.checkpoint_every and session.step % args.checkpoint_every == 0:
+                checkpoint()
+    except KeyboardInterrupt:
+        bar.close()
+        checkpoint()
+        where = f"; checkpoint saved in {ckpt_dir}/" if ckpt_dir is not None else " (no --checkpoint-dir: nothing saved)"
+        print(f"gradgraph train: interrupted at step {session.step}{where}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     bar.close()
-    checkpoint()
+    checkpoint()  # skipped steps changed nothing: this is the last finite state
     if ckpt_dir is not None:
         session.export_inference_model(ckpt_dir / INFERENCE_NAME)
-    if losses:
+    if status == EXIT_DIVERGED:
+        print(f"gradgraph train: stopped at step {session.step}: {in_a_row} steps in a row had a "
+              "non-finite loss, weight or optimizer state (NaN/inf in the data, or a learning rate "
+              f"too high?); weights are those of the last finite step ({session.skipped_steps} "
+              "skipped in all)", file=sys.stderr)
+        return status
+    run_losses = losses[resumed_from:]
+    if run_losses:
         where = f"; loss curve and checkpoint in {ckpt_dir}/" if ckpt_dir is not None else ""
-        print(f"step {session.step}: loss {losses[-1]:.6g} (first step of this run: {losses[0]:.6g}){where}",
-              file=sys.stderr)
+        skipped = f"; {session.skipped_steps} non-finite steps skipped" if session.skipped_steps else ""
+        print(f"step {session.step}: loss {run_losses[-1]:.6g} (first step of this run: "
+              f"{run_losses[0]:.6g}){skipped}{where}", file=sys.stderr)
     return 0
+
+
+def _fit_batch(model: str, batch_size: int) -> object:
+    """The model, made batch-dynamic when its user inputs fix another batch size."""
+    from gradgraph.io import load_model
+
+    loaded = load_model(model)
+    leading = {v.shape[0] if v.shape is not None and len(v.shape) else None
+               for v in loaded.graph.inputs if not v.is_initializer()}
+    fixed = leading.pop() if len(leading) == 1 else None
+    fixed = fixed if isinstance(fixed, int) else None
+    if fixed is None or fixed == batch_size:
+        return loaded
+    from gradgraph.batching import make_batch_dynamic
+
+    return make_batch_dynamic(loaded)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,6 +1,9 @@
 """Training, eval and inference models from one forward model.
 
-``build_training_artifacts(model, config)`` returns:
+``build_training_artifacts(model, config)`` trains, by default, the model's parameters (see
+``passes.exports.classify``: a torch export's PARAMETERs, else float initializers that are not
+scalars, masks or BatchNorm statistics); buffers and parameters left out are held fixed,
+exporter constants stay initializers. It returns:
 
 1. ``train``: forward + gradient + (accumulation) + clipping + optimizer; every held tensor
    ``X`` (weights, running statistics, optimizer state, ``step``) is a graph input with an
@@ -27,8 +30,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from gradgraph.io import load_model, save_model
+from gradgraph.validate import check_names, require_scalar_loss, unknown_names
 from passes.autodiff import GradientError, GradientOptions
 from passes.eval_mode import EvalModePass
+from passes.exports import KIND_KEY, WeightKind
 from passes.expose_running_stats import ExposeRunningStatsPass
 from passes.gradient import GradientPass
 from passes.optimizer_pass import OptimizerPass, OptimizerSettings, TrainingNames
@@ -52,6 +57,8 @@ class TrainingConfig:
     max_grad_norm: float | None = None
     clip_eps: float = 1e-6
     keep_gradient_outputs: bool = False
+    # A non-scalar loss is refused unless reduced: "sum" or "mean" of its elements.
+    loss_reduction: str | None = None
     # A step whose loss, weights or optimizer state turn NaN/inf is skipped (state untouched).
     skip_non_finite: bool = True
     names: TrainingNames = TrainingNames()
@@ -102,7 +109,12 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
                              config: TrainingConfig, *,
                              save_stages: str | os.PathLike | None = None) -> TrainingArtifacts:
     """Build the training, accumulation and eval models (see the module docstring)."""
-    forward = PrepareForGradientPass()(load_model(model)).model
+    check_names("weights_not_to_train", config.weights_not_to_train)
+    if config.weights_to_train is not None:
+        check_names("weights_to_train", config.weights_to_train)
+    strict = config.weights_to_train is None
+    forward = PrepareForGradientPass(strict_parameters=strict)(load_model(model)).model
+    require_scalar_loss(forward, config.loss, config.loss_reduction)
     _save(save_stages, "00_forward", forward)
     feeds = [v.name for v in forward.graph.inputs if not v.is_initializer()]
     outputs = [v.name for v in forward.graph.outputs]
@@ -114,7 +126,12 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
     stats_pass = ExposeRunningStatsPass(names.out_suffix)
     stats_pass(forward)
     buffers = list(stats_pass.stats)
-    floats = [name for name, v in forward.graph.initializers.items() if v.dtype in _FLOATS]
+    floats = [name for name, v in forward.graph.initializers.items() if v.dtype in _FLOATS
+              and v.metadata_props.get(KIND_KEY) != WeightKind.CONSTANT.value]
+    known = set(forward.graph.initializers) | {v.name for v in forward.graph.inputs}
+    for what, names in (("weights_not_to_train", config.weights_not_to_train),
+                        ("weights_to_train", config.weights_to_train or ())):
+        unknown_names(what, names, known)
     excluded = set(config.weights_not_to_train)
     wanted = None if config.weights_to_train is None else [
         w for w in config.weights_to_train if w not in excluded]
@@ -129,6 +146,8 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
     for w, grad in grad_pass.gradients.items():  # gradients nobody uses: let _finish prune them
         if w not in trained and grad in forward.graph.outputs:
             forward.graph.outputs.remove(grad)
+    # Held but not trained: parameters left out and torch buffers. Exporter constants stay
+    # initializers of every graph (onnxruntime may fold them).
     frozen = [w for w in floats if w not in trained and w not in buffers]
     _save(save_stages, "01_gradient", forward)
 

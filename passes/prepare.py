@@ -16,8 +16,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnx_ir.passes import InPlacePass, PassResult, Sequential
 
-from passes.expose_dropout_mask import ExposeDropoutMaskPass
 from passes.exports import ClassifyWeightsPass, RecoverParametersPass, TorchConventionsPass
+from passes.expose_dropout_mask import ExposeDropoutMaskPass
 from passes.fold_constants import FoldConstantsPass
 from passes.sequence_types import TypeSequenceOutputsPass
 

@@ -23,9 +23,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from passes.autodiff.engine import WEIGHT_KIND_KEY as KIND_KEY  # noqa: E402  (one key, defined by its reader)
 from passes.exports.signature import TorchSignature, folded_from
 
-from passes.autodiff.engine import WEIGHT_KIND_KEY as KIND_KEY  # noqa: E402  (one key, defined by its reader)
 REASON_KEY = "gradgraph.weight_reason"
 FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 

@@ -12,7 +12,8 @@ parameters as constants. Using the export signature (see :mod:`passes.exports.si
    an initializer (folded with other values, e.g. Conv+BatchNorm fusion; dropped because it
    was zero; or an initializer that kept its name but holds folded values) cannot be
    recovered: with ``strict`` a :class:`GradientError` names them and the export option that
-   avoids the fold; otherwise they are listed in ``self.lost``.
+   avoids the fold; otherwise they are listed in ``self.lost`` and in the graph's
+   ``metadata_props[LOST_KEY]``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from passes.exports.signature import TorchSignature, folded_from, fx_call
 
 # FX targets whose weight operand is used transposed (torch.nn.functional.linear).
 _LINEAR = frozenset({"aten.linear.default"})
+# Graph metadata listing the parameters that could not be recovered (comma-separated).
+LOST_KEY = "gradgraph.lost_parameters"
 REEXPORT_HINT = ("re-export with torch.onnx.export(..., optimize=False) so that parameters stay "
                  "initializers, or name the weights to train explicitly")
 
@@ -48,6 +51,8 @@ class RecoverParametersPass(InPlacePass):
         modified = self._untranspose(graph, placeholders, missing)
         modified |= self._unmerge(graph, placeholders, missing)
         self._find_lost(graph, placeholders, missing)
+        if self.lost:
+            graph.metadata_props[LOST_KEY] = ",".join(self.lost)
         if self.lost and self.strict:
             raise GradientError(
                 f"the exporter's optimizer folded torch parameter(s) {self.lost} into other "

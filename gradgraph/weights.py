@@ -1,0 +1,71 @@
+"""``list_weights``: every float initializer of a model, whether it is trained, and why."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgraph.io import load_model
+from passes.autodiff import GradientOptions, build_gradient
+from passes.exports import KIND_KEY, REASON_KEY, WeightKind
+from passes.exports.classify import FLOATS
+from passes.exports.recover import LOST_KEY, REEXPORT_HINT
+from passes.prepare import PrepareForGradientPass
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    kind: str  # "parameter", "buffer" or "constant"
+    trained: bool
+    reason: str
+
+
+def list_weights(model: Any, loss: str | None = None) -> list[WeightInfo]:
+    """Classify every float initializer of ``model`` (path, bytes, ModelProto, onnx_ir.Model or
+    ONNXProgram). ``trained`` is the default trained set: parameters that reach ``loss``
+    (every parameter when ``loss`` is None). Parameters the exporter folded irreversibly are
+    listed too, with no shape, untrained."""
+    forward = PrepareForGradientPass(strict_parameters=False)(load_model(model)).model
+    reaching: set[str] | None = None
+    if loss is not None:
+        reaching = set(build_gradient(ir.from_proto(ir.to_proto(forward)), loss, None,
+                                      GradientOptions(allow_unused=True)))
+    rows = []
+    for name, value in forward.graph.initializers.items():
+        if value.dtype not in FLOATS:
+            continue
+        kind = value.metadata_props.get(KIND_KEY, WeightKind.PARAMETER.value)
+        reason = value.metadata_props.get(REASON_KEY, "")
+        trained = kind == WeightKind.PARAMETER.value
+        if trained and reaching is not None and name not in reaching:
+            trained, reason = False, f"{reason}; does not reach loss {loss!r}"
+        shape = tuple(int(d) for d in value.shape) if value.shape is not None else ()
+        nbytes = int(int(np.prod(shape, dtype=np.int64)) * value.dtype.itemsize)
+        rows.append(WeightInfo(name, shape, value.dtype.name.lower(), nbytes, kind, trained, reason))
+    for name in filter(None, forward.graph.metadata_props.get(LOST_KEY, "").split(",")):
+        rows.append(WeightInfo(name, (), "?", 0, WeightKind.PARAMETER.value, False,
+                               f"folded into other constants by the exporter; {REEXPORT_HINT}"))
+    return rows
+
+
+def format_weights(rows: list[WeightInfo]) -> str:
+    """The table ``--list-weights`` prints, with totals."""
+    width = max([len(r.name) for r in rows] + [4])
+    lines = [f"{'name':<{width}}  {'shape':<16} {'dtype':<8} {'kind':<9} {'trained':<7}  reason"]
+    for r in rows:
+        lines.append(f"{r.name:<{width}}  {str(list(r.shape)):<16} {r.dtype:<8} {r.kind:<9} "
+                     f"{'yes' if r.trained else 'no':<7}  {r.reason}")
+    trained = [r for r in rows if r.trained]
+    lines.append(f"{len(trained)} trained ({sum(r.nbytes for r in trained):,} bytes) of {len(rows)} "
+                 f"float initializers ({sum(r.nbytes for r in rows):,} bytes)")
+    return "\n".join(lines)
+
+
+__all__ = ["WeightInfo", "format_weights", "list_weights"]
