@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import onnx_ir as ir
-from onnx_ir.passes import PassBase
+from onnx_ir.passes import PassBase, PassError
 
 from gradgraph.io import save_model
+from passes.autodiff.errors import unwrap_pass_errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,10 @@ class Pipeline:
     def run(self, model: ir.Model, *, save_dir: str | os.PathLike | None = None,
             verbose: bool = False) -> ir.Model:
         for index, stage in enumerate(self.stages):
-            model = stage.pass_(model).model
+            try:
+                model = stage.pass_(model).model
+            except PassError as exc:
+                raise unwrap_pass_errors(exc) from exc
             if save_dir is not None:
                 path = Path(save_dir) / f"{index:02d}_{stage.name}.onnx"
                 save_model(model, path)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common
-from onnx_ir.passes import InPlacePass, PassResult, Sequential
+from onnx_ir.passes import InPlacePass, PassError, PassResult, Sequential
 
 from passes.exports import ClassifyWeightsPass, RecoverParametersPass, TorchConventionsPass
+from passes.autodiff.errors import unwrap_pass_errors
 from passes.expose_dropout_mask import ExposeDropoutMaskPass
 from passes.fold_constants import FoldConstantsPass
 from passes.sequence_types import TypeSequenceOutputsPass
@@ -41,5 +42,8 @@ class PrepareForGradientPass(InPlacePass):
             TypeSequenceOutputsPass(),
             common.ShapeInferencePass(strict_mode=False),
         )
-        result = steps(model)
+        try:
+            result = steps(model)
+        except PassError as exc:
+            raise unwrap_pass_errors(exc) from exc
         return PassResult(result.model, result.modified)

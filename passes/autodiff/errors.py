@@ -39,3 +39,14 @@ class GradientError(ValueError):
             details.append("path to loss: " + " -> ".join(self.path))
         full = message if not details else f"{message} [{'; '.join(details)}]"
         super().__init__(full)
+
+
+def unwrap_pass_errors(error: BaseException) -> BaseException:
+    """The GradientError inside onnx_ir's PassError wrapping (Sequential wraps what passes
+    raise), or ``error`` itself: a user error must reach the user as a GradientError."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, GradientError):
+            return cause
+        cause = cause.__cause__
+    return error

@@ -1,0 +1,130 @@
+"""Default torch exports: the trained set is the module's parameters (folded ones recovered), and
+torch's gradient conventions recorded in the export's metadata are followed."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gradgraph
+
+pytestmark = pytest.mark.slow  # exports torch modules (about 35 s)
+
+RTOL, ATOL = 1e-4, 1e-6  # float32 graph vs float32 torch autograd, relative to each tensor's max
+
+
+class Conventions(nn.Module):
+    """padding_idx, ReLU6 (hardtanh: no gradient at 0 or 6), clamp (gradient at the bounds),
+    two equal-valued norm weights (merged by the exporter) and linear layers (transposed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8, padding_idx=0)
+        self.fc = nn.Linear(8, 8, bias=False)
+        self.scale_a = nn.Parameter(torch.ones(8))
+        self.scale_b = nn.Parameter(torch.ones(8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids).mean(1) * self.scale_a
+        a = F.relu6(self.fc(h) * x)   # x has exact zeros and sixes: the kinks are hit
+        c = torch.clamp(h * x, 0.0, 6.0) * self.scale_b
+        return F.cross_entropy(self.head(a + c), labels)
+
+
+def _batch() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 10, (4, 5), generator=g)
+    ids[:, 0] = 0  # the padding row is used
+    x = torch.randn(4, 8, generator=g)
+    x[:, :3] = 0.0
+    return ids, x, torch.tensor([0, 1, 2, 3])
+
+
+def _export(module: nn.Module, args: tuple, path: Path, how: str) -> Path:
+    names = ["ids", "x", "labels"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if how == "legacy":
+            torch.onnx.export(module, args, str(path), dynamo=False, input_names=names, output_names=["loss"])
+        else:
+            torch.onnx.export(module, args, str(path), input_names=names, output_names=["loss"],
+                              optimize=how == "dynamo")
+    return path
+
+
+@pytest.mark.parametrize("how", ["dynamo", "dynamo_noopt"])
+def test_trained_set_and_gradients_follow_torch(how: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = Conventions()
+    args = _batch()
+    path = _export(module, args, tmp_path / "m.onnx", how)
+    module.zero_grad()
+    module(*args).backward()
+    expected = {n: p.grad.numpy() for n, p in module.named_parameters() if p.grad is not None}
+
+    rows = gradgraph.list_weights(path, "loss")
+    assert {r.name for r in rows if r.trained} == set(expected)
+    grad_model = gradgraph.build_gradient_graph(path, "loss")
+    outputs = [o.name for o in grad_model.graph.output]
+    feeds = {"ids": args[0].numpy(), "x": args[1].numpy(), "labels": args[2].numpy()}
+    got = dict(zip(outputs, ort.InferenceSession(grad_model.SerializeToString()).run(None, feeds)))
+    for name, want in expected.items():
+        scale = max(float(np.abs(want).max()), 1e-12)
+        np.testing.assert_allclose(got[name + "_grad"], want, rtol=RTOL, atol=ATOL * scale, err_msg=name)
+    assert np.all(got["emb.weight_grad"][0] == 0)  # padding row
+
+
+def test_without_metadata_clip_blocks_at_bounds_and_scalars_are_constants(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = Conventions()
+    path = _export(module, _batch(), tmp_path / "legacy.onnx", "legacy")
+    rows = {r.name: r for r in gradgraph.list_weights(path, "loss")}
+    for row in rows.values():
+        if row.trained:
+            assert int(np.prod(row.shape)) > 1
+        elif row.kind == "constant":
+            assert int(np.prod(row.shape)) <= 1 or "inf" in row.reason
+    # The legacy exporter's own folds (README, "Exports without metadata"): with its default
+    # constant folding, fc.weight is stored transposed as onnx::MatMul_N (trained under that
+    # name), and scale_b, equal to scale_a, is deduplicated into it.
+    trained = {n for n, r in rows.items() if r.trained}
+    params = {n for n, _ in module.named_parameters()}
+    assert params - trained == {"fc.weight", "scale_b"}
+    extra = trained - params
+    assert len(extra) == 1 and next(iter(extra)).startswith("onnx::MatMul")
+
+
+def test_onnx_program_and_ir_model_are_accepted(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = Conventions()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, _batch(), dynamo=True)
+    from_program = gradgraph.build_gradient_graph(program, program.model.graph.outputs[0].name)
+    grads = {o.name for o in from_program.graph.output if o.name.endswith("_grad")}
+    assert grads == {n + "_grad" for n, _ in module.named_parameters()}
+    before = len(program.model.graph)
+    gradgraph.build_gradient_graph(program.model, program.model.graph.outputs[0].name)
+    assert len(program.model.graph) == before  # the caller's model is not edited
+
+
+def test_cli_list_weights_and_unknown_names(tmp_path: Path, capsys) -> None:
+    from gradgraph.cli import main
+
+    torch.manual_seed(0)
+    path = _export(Conventions(), _batch(), tmp_path / "m.onnx", "dynamo")
+    assert main(["grad", str(path), "--loss", "loss", "--list-weights"]) == 0
+    out = capsys.readouterr().out
+    assert "emb.weight" in out and "trained" in out and "bytes" in out
+    assert main(["grad", str(path), "--loss", "loss", "--weights", "fc.weigth", "-o", str(tmp_path / "g.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "'fc.weight'" in err and err.count("\n") == 1
+    assert not (tmp_path / "g.onnx").exists()
