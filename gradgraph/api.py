@@ -71,7 +71,7 @@ def build_gradient_graph(
             raise GradientError(f"weights_to_train names {dup!r} more than once")
     ir_model = load_model(model)
     if weights_to_train is not None:
-        known = set(ir_model.graph.initializers) | {v.name for v in ir_model.graph.inputs}
+        known = set(ir_model.graph.initializers) | {v.name for v in ir_model.graph.inputs if v.name}
         unknown_names("weights_to_train", weights_to_train, known)
     targeting = target_ir_version is not None or max_opset is not None
     if targeting:

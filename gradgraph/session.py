@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import onnx
@@ -177,6 +177,13 @@ class TrainingSession:
             self.micro_step = int(np.asarray(state[MICRO_STEP_KEY]))
 
     # ---- steps --------------------------------------------------------------------------
+    @overload
+    def train_step(self, feeds: Mapping[str, Any], lr: float | None = None) -> float: ...
+
+    @overload
+    def train_step(self, feeds: Mapping[str, Any], lr: float | None = None, *,
+                   fetches: Sequence[str]) -> tuple[float, dict[str, np.ndarray]]: ...
+
     def train_step(self, feeds: Mapping[str, Any], lr: float | None = None,
                    fetches: Sequence[str] = ()) -> float | tuple[float, dict[str, np.ndarray]]:
         """One micro-step; returns the loss, or ``(loss, {name: array})`` when ``fetches`` is given."""
@@ -187,6 +194,7 @@ class TrainingSession:
         if steps > 1:
             feeds[names.reset] = np.array(self.micro_step == 0)
         runner = self._train if applying else self._accumulate
+        assert runner is not None  # accumulation_steps > 1 builds the accumulate graph
         if applying:
             lr = lr if lr is not None else feeds.get(names.learning_rate, self.learning_rate)
             if lr is None:
@@ -197,11 +205,11 @@ class TrainingSession:
             feeds.pop(names.learning_rate, None)
         loss = self.config.loss
         wanted = [loss] + [f for f in fetches if f != loss]
-        check_finite = applying and self._finite_output is not None and self._finite_output not in wanted
-        out = runner.run(self.store, feeds, wanted + ([self._finite_output] if check_finite else []))
+        finite = self._finite_output if applying else None
+        out = runner.run(self.store, feeds, wanted + ([finite] if finite and finite not in wanted else []))
         self.micro_step = 0 if applying else self.micro_step + 1
-        if applying and self._finite_output is not None:
-            self.last_step_finite = bool(out[self._finite_output])
+        if finite is not None:
+            self.last_step_finite = bool(out[finite])
             self.skipped_steps += not self.last_step_finite
         if out[loss].size != 1:
             raise GradientError(f"loss {loss!r} has shape {list(out[loss].shape)}, not a scalar; "

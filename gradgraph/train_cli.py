@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnx_ir as ir
 from tqdm import tqdm
 
 from gradgraph.feeds import InputError, load_npz
@@ -235,7 +237,11 @@ def run(args: argparse.Namespace) -> int:
             lr = schedule.lr_at(session.step)
             micro_losses = []
             for _ in range(args.accumulate - session.micro_step):
-                micro_losses.append(session.train_step(_batch(data, micro, args.batch_size), lr=lr))
+                try:
+                    micro_losses.append(session.train_step(_batch(data, micro, args.batch_size), lr=lr))
+                except InputError as exc:
+                    bar.close()
+                    raise InputError(f"data file {args.data!r} does not fit the model: {exc}") from exc
                 micro += 1
             if not session.last_step_finite:
                 in_a_row += 1
@@ -277,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_batch(model: str, batch_size: int) -> object:
+def _fit_batch(model: str, batch_size: int) -> onnx.ModelProto:
     """The model, made batch-dynamic when its user inputs fix another batch size."""
     from gradgraph.io import load_model
 
@@ -287,7 +293,7 @@ def _fit_batch(model: str, batch_size: int) -> object:
     fixed = leading.pop() if len(leading) == 1 else None
     fixed = fixed if isinstance(fixed, int) else None
     if fixed is None or fixed == batch_size:
-        return loaded
+        return ir.to_proto(loaded)
     from gradgraph.batching import make_batch_dynamic
 
     return make_batch_dynamic(loaded)

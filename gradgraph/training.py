@@ -116,8 +116,8 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
     forward = PrepareForGradientPass(strict_parameters=strict)(load_model(model)).model
     require_scalar_loss(forward, config.loss, config.loss_reduction)
     _save(save_stages, "00_forward", forward)
-    feeds = [v.name for v in forward.graph.inputs if not v.is_initializer()]
-    outputs = [v.name for v in forward.graph.outputs]
+    feeds = [v.name or "" for v in forward.graph.inputs if not v.is_initializer()]
+    outputs = [v.name or "" for v in forward.graph.outputs]
     if config.loss not in outputs:
         raise GradientError(f"loss {config.loss!r} is not a graph output (outputs: {outputs})")
     forward_proto = ir.to_proto(forward)
@@ -128,10 +128,10 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
     buffers = list(stats_pass.stats)
     floats = [name for name, v in forward.graph.initializers.items() if v.dtype in _FLOATS
               and v.metadata_props.get(KIND_KEY) != WeightKind.CONSTANT.value]
-    known = set(forward.graph.initializers) | {v.name for v in forward.graph.inputs}
-    for what, names in (("weights_not_to_train", config.weights_not_to_train),
-                        ("weights_to_train", config.weights_to_train or ())):
-        unknown_names(what, names, known)
+    known = set(forward.graph.initializers) | {v.name for v in forward.graph.inputs if v.name}
+    for what, listed in (("weights_not_to_train", config.weights_not_to_train),
+                         ("weights_to_train", config.weights_to_train or ())):
+        unknown_names(what, listed, known)
     excluded = set(config.weights_not_to_train)
     wanted = None if config.weights_to_train is None else [
         w for w in config.weights_to_train if w not in excluded]

@@ -30,7 +30,7 @@ def unknown_names(what: str, names: Iterable[str], known: Iterable[str]) -> None
     known = set(known)
     for name in names:
         if name not in known:
-            raise GradientError(f"{what}: {name!r} is not an initializer or input of the model"
+            raise GradientError(f"{what}: {name!r} is neither an initializer nor a graph input of the model"
                                 f"{close_matches(name, known)}; `gradgraph grad MODEL --list-weights` "
                                 "lists the weights")
 

@@ -46,7 +46,7 @@ def list_weights(model: Any, loss: str | None = None) -> list[WeightInfo]:
         trained = kind == WeightKind.PARAMETER.value
         if trained and reaching is not None and name not in reaching:
             trained, reason = False, f"{reason}; does not reach loss {loss!r}"
-        shape = tuple(int(d) for d in value.shape) if value.shape is not None else ()
+        shape = tuple(d if isinstance(d, int) else -1 for d in value.shape) if value.shape is not None else ()
         nbytes = int(int(np.prod(shape, dtype=np.int64)) * value.dtype.itemsize)
         rows.append(WeightInfo(name, shape, value.dtype.name.lower(), nbytes, kind, trained, reason))
     for name in filter(None, forward.graph.metadata_props.get(LOST_KEY, "").split(",")):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from passes.autodiff.engine import FLOAT_TYPES
 from passes.autodiff.errors import GradientError
 
 REDUCTIONS = {"sum": "ReduceSum", "mean": "ReduceMean"}
@@ -30,8 +31,14 @@ class ReduceLossPass(InPlacePass):
         graph = model.graph
         value = next((v for v in graph.outputs if v.name == self.loss), None)
         if value is None:
-            outputs = [v.name for v in graph.outputs]
-            raise GradientError(f"loss {self.loss!r} is not a graph output (outputs: {outputs})")
+            value = next((o for n in graph for o in n.outputs if o.name == self.loss), None)
+        if value is None:
+            outputs = ", ".join(repr(v.name) for v in graph.outputs)
+            raise GradientError(f"loss {self.loss!r} is not a tensor of the graph; graph outputs "
+                                f"are: {outputs}")
+        if value.dtype is not None and value.dtype not in FLOAT_TYPES:
+            raise GradientError(f"loss {self.loss!r} has type {value.dtype.name}; the loss must be a "
+                                "floating-point tensor (float, float16, bfloat16 or double)")
         dims = list(value.shape) if value.shape is not None else None
         if dims is None or all(d == 1 for d in dims):  # unknown shape, or one element
             return PassResult(model, False)
@@ -41,6 +48,9 @@ class ReduceLossPass(InPlacePass):
                 "in the model, or ask for a reduction (--reduce sum|mean, "
                 "loss_reduction='sum'|'mean'), or seed its gradient from an input "
                 "(seed_from_input=True)")
+        if value not in graph.outputs:
+            raise GradientError(f"loss {self.loss!r}: a reduction applies to a graph output; reduce "
+                                "the tensor in the model instead")
         node = ir.Node("", REDUCTIONS[self.reduction], [value], [ir.AttrInt64("keepdims", 0)],
                        name=f"{self.loss}/{REDUCTIONS[self.reduction]}")
         reduced = node.outputs[0]
