@@ -6,7 +6,10 @@ The ONNX op alone cannot say these; a dynamo export's FX provenance (``fx_call``
    padding row gets no gradient (``PADDING_IDX_KEY``);
 2. ``Clip`` from ``aten.clamp``/``aten.clip``: the gradient passes at the bounds
    (``CLIP_BOUNDS_KEY = "closed"``). Without a mark, Clip follows ``aten.hardtanh`` (ReLU6):
-   no gradient at exactly min or max.
+   no gradient at exactly min or max;
+3. ``BatchNormalization`` from a training-mode ``aten._native_batch_norm_legit_functional``
+   (a module in ``train()`` mode) that the exporter wrote in inference mode gets
+   ``training_mode = 1``: batch statistics, as torch computes them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from passes.autodiff.rules.elementwise import CLIP_BOUNDS_KEY
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
 from passes.exports.signature import fx_call
 
+_TRAINING_BATCH_NORMS = frozenset({"aten._native_batch_norm_legit_functional.default",
+                                   "aten._native_batch_norm_legit.default"})
 _CLAMPS = frozenset({"aten.clamp.default", "aten.clamp.Tensor", "aten.clip.default",
                      "aten.clamp_min.default", "aten.clamp_max.default"})
 
@@ -37,6 +42,15 @@ class TorchConventionsPass(InPlacePass):
                 if padding >= 0 and node.metadata_props.get(PADDING_IDX_KEY) != str(padding):
                     node.metadata_props[PADDING_IDX_KEY] = str(padding)
                     modified = True
+            elif (node.op_type == "BatchNormalization" and call.target in _TRAINING_BATCH_NORMS
+                  and len(call.args) > 5 and call.args[5] == "True"
+                  and not node.attributes.get_int("training_mode", 0)):
+                node.attributes["training_mode"] = ir.AttrInt64("training_mode", 1)
+                if len(node.outputs) < 3:  # training mode also outputs the updated statistics
+                    node.resize_outputs(3)
+                    for out, what in zip(node.outputs[1:], ("running_mean", "running_var"), strict=True):
+                        out.name = out.name or f"{node.outputs[0].name}.{what}"
+                modified = True
             elif node.op_type == "Clip" and call.target in _CLAMPS:
                 if node.metadata_props.get(CLIP_BOUNDS_KEY) != "closed":
                     node.metadata_props[CLIP_BOUNDS_KEY] = "closed"

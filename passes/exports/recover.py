@@ -38,6 +38,7 @@ class RecoverParametersPass(InPlacePass):
         super().__init__()
         self.strict = strict
         self.lost: list[str] = []
+        self.fused: set[str] = set()
         self.recovered: dict[str, str] = {}  # parameter -> how
 
     def call(self, model: ir.Model) -> PassResult:
@@ -102,6 +103,8 @@ class RecoverParametersPass(InPlacePass):
                     continue
                 others = [placeholders[p] for p in call.placeholders()
                           if p in placeholders and placeholders[p] in missing | set(copies)]
+                if len(others) > 1:  # holds a fusion of several parameters (Conv+BatchNorm)
+                    self.fused.add(name)
                 if len(others) != 1:
                     continue
                 param = others[0]
@@ -129,4 +132,4 @@ class RecoverParametersPass(InPlacePass):
             named.update(s for s in sources if s in missing)
             if name in placeholders.values() and sources:
                 refolded.append(name)  # kept a parameter's name, holds folded values
-        self.lost = sorted((missing & named) | set(refolded))
+        self.lost = sorted((missing & named) | set(refolded) | self.fused)

@@ -115,7 +115,8 @@ _selection("GatherND", unique=False)
 
 @grad_rule("SpaceToDepth")
 def _space_to_depth(b, n, g):
-    return [b.DepthToSpace(g[0], blocksize=n.attr("blocksize"), mode="DCR")]
+    """A permutation: undone by DepthToSpace of the same mode (SpaceToDepth has modes from opset 25)."""
+    return [b.DepthToSpace(g[0], blocksize=n.attr("blocksize"), mode=n.attr("mode", "DCR"))]
 
 
 @grad_rule("DepthToSpace")
