@@ -128,3 +128,51 @@ def test_cli_list_weights_and_unknown_names(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert "'fc.weight'" in err and err.count("\n") == 1
     assert not (tmp_path / "g.onnx").exists()
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.dw = nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = F.relu6(self.bn(self.dw(self.conv(x))))
+        return F.cross_entropy(self.fc(h.mean((2, 3))), labels)
+
+
+def test_batch_norm_mode_and_fused_parameters(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = ConvBN()
+    x, labels = torch.randn(4, 3, 6, 6), torch.tensor([0, 1, 2, 0])
+    names = ["x", "labels"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module.train(), (x, labels), str(tmp_path / "train.onnx"), input_names=names,
+                          output_names=["loss"], optimize=False)
+        torch.onnx.export(module.eval(), (x, labels), str(tmp_path / "eval.onnx"), input_names=names,
+                          output_names=["loss"], optimize=False)
+        torch.onnx.export(module.eval(), (x, labels), str(tmp_path / "opt.onnx"), input_names=names,
+                          output_names=["loss"])
+    # The exporter writes train-mode BatchNorm in inference mode; the FX record says training.
+    train_graph = gradgraph.build_gradient_graph(tmp_path / "train.onnx", "loss").graph
+    modes = [a.i for n in train_graph.node if n.op_type == "BatchNormalization"
+             for a in n.attribute if a.name == "training_mode"]
+    assert modes == [1]
+    # Eval mode: running statistics, gradients equal torch's.
+    module.zero_grad()
+    module(x, labels).backward()
+    grad_model = gradgraph.build_gradient_graph(tmp_path / "eval.onnx", "loss")
+    outputs = [o.name for o in grad_model.graph.output]
+    got = dict(zip(outputs, ort.InferenceSession(grad_model.SerializeToString()).run(
+        None, {"x": x.numpy(), "labels": labels.numpy()})))
+    for name, param in module.named_parameters():
+        want = param.grad.numpy()
+        np.testing.assert_allclose(got[name + "_grad"], want, rtol=RTOL,
+                                   atol=ATOL * max(float(np.abs(want).max()), 1e-12), err_msg=name)
+    # optimize=True fuses Conv+BatchNorm: the conv keeps its name with fused values. Refused.
+    with pytest.raises(gradgraph.GradientError, match=r"bn\.weight.*optimize=False") as err:
+        gradgraph.build_gradient_graph(tmp_path / "opt.onnx", "loss")
+    assert "dw.weight" in str(err.value)
