@@ -24,6 +24,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.engine import WEIGHT_KIND_KEY as KIND_KEY  # noqa: E402  (one key, defined by its reader)
+from passes.exports.recover import RECOVERED_KEY
 from passes.exports.signature import TorchSignature, folded_from
 
 REASON_KEY = "gradgraph.weight_reason"
@@ -58,7 +59,7 @@ def _rule_without_signature(value: ir.Value, stats: set[str]) -> tuple[WeightKin
 
 def _rule_with_signature(value: ir.Value, signature: TorchSignature) -> tuple[WeightKind, str]:
     name = value.name or ""
-    recovered = value.metadata_props.get("gradgraph.recovered")
+    recovered = value.metadata_props.get(RECOVERED_KEY)
     if name in signature.parameters:
         return WeightKind.PARAMETER, f"torch parameter ({recovered})" if recovered else "torch parameter"
     if name in signature.buffers:

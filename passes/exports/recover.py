@@ -8,7 +8,10 @@ parameters as constants. Using the export signature (see :mod:`passes.exports.si
 2. parameters with equal values merged into one initializer ``X``: each use of ``X`` by a node
    whose FX call names a different, missing parameter ``Q`` is given its own initializer ``Q``
    (a copy of ``X``'s value), so each parameter gets its own gradient;
-3. any other parameter that the graph's FX calls or folded constants name but that is no longer
+3. (exports without a signature) ``Identity(kept) -> name`` nodes with which the legacy
+   exporter deduplicates equal initializers become initializers ``name`` again, unless
+   ``name`` is an exporter name (``onnx::...``: the same tensor used twice);
+4. any other parameter that the graph's FX calls or folded constants name but that is no longer
    an initializer (folded with other values, e.g. Conv+BatchNorm fusion; dropped because it
    was zero; or an initializer that kept its name but holds folded values) cannot be
    recovered: with ``strict`` a :class:`GradientError` names them and the export option that
@@ -27,6 +30,10 @@ from passes.exports.signature import TorchSignature, folded_from, fx_call
 
 # FX targets whose weight operand is used transposed (torch.nn.functional.linear).
 _LINEAR = frozenset({"aten.linear.default"})
+# Value metadata: how a parameter was recovered (also read by ClassifyWeightsPass).
+RECOVERED_KEY = "gradgraph.recovered"
+# The per-value kind a dynamo export writes for initializers it kept as they were.
+SIGNATURE_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 # Graph metadata listing the parameters that could not be recovered (comma-separated).
 LOST_KEY = "gradgraph.lost_parameters"
 REEXPORT_HINT = ("re-export with torch.onnx.export(..., optimize=False) so that parameters stay "
@@ -44,7 +51,7 @@ class RecoverParametersPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
         signature = TorchSignature.read(model)
         if signature is None:
-            return PassResult(model, False)
+            return PassResult(model, self._undedup(model.graph))
         graph = model.graph
         placeholders = signature.targets("PARAMETER")
         present = set(graph.initializers) | {v.name for v in graph.inputs}
@@ -63,9 +70,12 @@ class RecoverParametersPass(InPlacePass):
     def _untranspose(self, graph: ir.Graph, placeholders: dict[str, str], missing: set[str]) -> bool:
         modified = False
         fqn_placeholder = {fqn: p for p, fqn in placeholders.items()}
+        restored: dict[str, ir.Value] = {}
         for name, value in list(graph.initializers.items()):
             sources = folded_from(value)
-            if len(sources) != 1 or sources[0] not in missing or value.const_value is None:
+            if len(sources) != 1 or value.const_value is None:
+                continue
+            if sources[0] not in missing and sources[0] not in restored:
                 continue
             param = sources[0]
             calls = [fx_call(node) for node, _ in value.uses()]
@@ -74,12 +84,16 @@ class RecoverParametersPass(InPlacePass):
             if not calls or not linear or len(value.shape or ()) != 2:
                 continue
             data = np.ascontiguousarray(value.const_value.numpy().T)
-            restored = ir.Value(name=param, shape=ir.Shape(data.shape), type=value.type,
-                                const_value=ir.tensor(data, name=param))
-            restored.metadata_props["gradgraph.recovered"] = f"transpose of folded {name}"
-            graph.register_initializer(restored)
-            node = ir.Node("", "Transpose", [restored], [ir.AttrInt64s("perm", [1, 0])],
-                           name=f"{param}/Transpose")
+            if param in restored:  # another copy of the same parameter (a module used twice)
+                if not np.array_equal(restored[param].const_value.numpy(), data):  # type: ignore[union-attr]
+                    continue
+            else:
+                restored[param] = ir.Value(name=param, shape=ir.Shape(data.shape), type=value.type,
+                                           const_value=ir.tensor(data, name=param))
+                restored[param].metadata_props[RECOVERED_KEY] = f"transpose of folded {name}"
+                graph.register_initializer(restored[param])
+            node = ir.Node("", "Transpose", [restored[param]], [ir.AttrInt64s("perm", [1, 0])],
+                           name=f"{name}/Transpose")
             graph.initializers.pop(name)
             value.replace_all_uses_with(node.outputs[0])
             node.outputs[0].name = name
@@ -96,6 +110,11 @@ class RecoverParametersPass(InPlacePass):
         for name, value in list(graph.initializers.items()):
             if name not in own_placeholder or value.const_value is None:
                 continue
+            if SIGNATURE_KIND_KEY not in value.metadata_props and RECOVERED_KEY not in value.metadata_props:
+                # The exporter rewrote this parameter's value (a fusion, e.g. Conv+BatchNorm):
+                # it keeps the name but lost its signature entry.
+                self.fused.add(name)
+                continue
             copies: dict[str, ir.Value] = {}
             for node, index in list(value.uses()):
                 call = fx_call(node)
@@ -103,21 +122,45 @@ class RecoverParametersPass(InPlacePass):
                     continue
                 others = [placeholders[p] for p in call.placeholders()
                           if p in placeholders and placeholders[p] in missing | set(copies)]
-                if len(others) > 1:  # holds a fusion of several parameters (Conv+BatchNorm)
-                    self.fused.add(name)
+                if len(others) > 1:  # e.g. LayerNorm(x, ln1.weight, ln1.bias) for ln2: match the leaf name
+                    leaf = name.rsplit(".", 1)[-1]
+                    others = [o for o in others if o.rsplit(".", 1)[-1] == leaf]
                 if len(others) != 1:
                     continue
                 param = others[0]
                 if param not in copies:
                     copy = ir.Value(name=param, shape=value.shape, type=value.type,
                                     const_value=ir.tensor(value.const_value.numpy().copy(), name=param))
-                    copy.metadata_props["gradgraph.recovered"] = f"merged into {name} (equal values)"
+                    copy.metadata_props[RECOVERED_KEY] = f"merged into {name} (equal values)"
                     graph.register_initializer(copy)
                     copies[param] = copy
                     missing.discard(param)
                     self.recovered[param] = f"equal-valued copy of {name}"
                 node.replace_input_with(index, copies[param])
                 modified = True
+        return modified
+
+    def _undedup(self, graph: ir.Graph) -> bool:
+        """Legacy exports replace an initializer equal to another by ``Identity(kept) -> name``:
+        give ``name`` its own initializer again, unless it is an exporter name (``onnx::``, the
+        same tensor used twice, e.g. a shared layer)."""
+        modified = False
+        for node in list(graph):
+            source = node.inputs[0] if node.op_type == "Identity" and node.inputs else None
+            out = node.outputs[0] if node.outputs else None
+            if (source is None or out is None or not source.is_initializer() or source.const_value is None
+                    or not out.name or out.name.startswith("onnx::") or out.is_graph_output()
+                    or out.name in graph.initializers):
+                continue
+            copy = ir.Value(name=out.name, shape=source.shape, type=source.type,
+                            const_value=ir.tensor(source.const_value.numpy().copy(), name=out.name))
+            copy.metadata_props[RECOVERED_KEY] = f"deduplicated into {source.name} by the exporter"
+            out.name = None
+            out.replace_all_uses_with(copy)
+            graph.remove(node, safe=True)
+            graph.register_initializer(copy)
+            self.recovered[copy.name or ""] = f"equal-valued copy of {source.name}"
+            modified = True
         return modified
 
     def _find_lost(self, graph: ir.Graph, placeholders: dict[str, str], missing: set[str]) -> None:
