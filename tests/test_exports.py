@@ -92,12 +92,13 @@ def test_without_metadata_clip_blocks_at_bounds_and_scalars_are_constants(tmp_pa
             assert int(np.prod(row.shape)) > 1
         elif row.kind == "constant":
             assert int(np.prod(row.shape)) <= 1 or "inf" in row.reason
-    # The legacy exporter's own folds (README, "Exports without metadata"): with its default
+    # The legacy exporter's own fold (README, "Which weights are trained"): with its default
     # constant folding, fc.weight is stored transposed as onnx::MatMul_N (trained under that
-    # name), and scale_b, equal to scale_a, is deduplicated into it.
+    # name). scale_b, equal to scale_a, was deduplicated into Identity(scale_a): recovered.
     trained = {n for n, r in rows.items() if r.trained}
     params = {n for n, _ in module.named_parameters()}
-    assert params - trained == {"fc.weight", "scale_b"}
+    assert params - trained == {"fc.weight"}
+    assert "deduplicated" in rows["scale_b"].reason
     extra = trained - params
     assert len(extra) == 1 and next(iter(extra)).startswith("onnx::MatMul")
 
