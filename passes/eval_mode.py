@@ -2,7 +2,8 @@
 
 1. Dropout loses its ``training_mode`` input (inference Dropout is the identity);
 2. BatchNormalization gets ``training_mode = 0`` and only its ``Y`` output (running
-   statistics are read, not updated); its extra outputs must be unused.
+   statistics are read, not updated); its extra outputs must be unused by nodes (graph
+   outputs of the top graph are removed: an eval graph updates no statistics).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ class EvalModePass(InPlacePass):
             if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2] is not None:
                 node.resize_inputs(2)
                 modified = True
-            elif node.op_type == "BatchNormalization" and node.attributes.get_int("training_mode", 0):
+            elif (node.op_type == "BatchNormalization"
+                  and node.attributes.get_int("training_mode", 0) != 0):
                 for extra in node.outputs[1:]:
+                    if extra.is_graph_output() and not extra.uses() and extra in model.graph.outputs:
+                        model.graph.outputs.remove(extra)
                     if extra.uses() or extra.is_graph_output():
                         raise ValueError(
                             f"BatchNormalization {node.name!r}: running-statistic output "

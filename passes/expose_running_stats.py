@@ -31,12 +31,14 @@ class ExposeRunningStatsPass(InPlacePass):
             for stat, out in zip(node.inputs[3:5], node.outputs[1:3], strict=True):
                 if stat is None or not (stat.is_graph_input() or stat.is_initializer()):
                     continue
-                if stat.name in self.stats:
-                    raise ValueError(f"running statistic {stat.name!r} is updated by two nodes")
-                out.name = stat.name + self.suffix
+                name = stat.name
+                assert name is not None, "graph inputs and initializers are named"
+                if name in self.stats:
+                    raise ValueError(f"running statistic {name!r} is updated by two nodes")
+                out.name = name + self.suffix
                 out.type, out.shape = stat.type, stat.shape
                 if not out.is_graph_output():
                     graph.outputs.append(out)
-                self.stats[stat.name] = out
+                self.stats[name] = out
                 modified = True
         return PassResult(model, modified)

@@ -71,7 +71,9 @@ class FoldConstantsPass(InPlacePass):
             result = self._evaluate(node, arrays, opset)
             if result is None or result.size > self.options.max_elements:
                 continue
-            fed_folded.extend(v.producer() for v in node.inputs if v is not None)
+            # every input is None or a Constant's output (checked above), so producers are set
+            fed_folded.extend(
+                p for v in node.inputs if v is not None and (p := v.producer()) is not None)
             self._replace(model.graph, node, result)
             modified = True
         for const in dict.fromkeys(fed_folded):  # unique, in order

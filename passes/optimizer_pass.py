@@ -116,8 +116,12 @@ class OptimizerPass(InPlacePass):
         outputs: list[ir.Value] = []
 
         def add_input(name: str, like: ir.Value | None, dtype: ir.DataType | None = None) -> Var:
-            value = ir.Value(name=name, type=ir.TensorType(dtype) if dtype else like.type,
-                             shape=ir.Shape([]) if dtype else like.shape)
+            """A new graph input: a scalar of ``dtype`` if given, else typed and shaped like ``like``."""
+            if dtype:
+                value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([]))
+            else:
+                assert like is not None, f"input {name!r}: give a dtype or a value to copy"
+                value = ir.Value(name=name, type=like.type, shape=like.shape)
             graph.inputs.append(value)
             return b.wrap(value)
 

@@ -27,7 +27,10 @@ class ParamsToInputsPass(InPlacePass):
             value = graph.initializers.get(name)
             if value is None:
                 continue
-            self.values[name] = value.const_value.numpy().copy()
+            tensor = value.const_value
+            if tensor is None:
+                raise ValueError(f"initializer {name!r} has no value")
+            self.values[name] = tensor.numpy().copy()
             graph.initializers.pop(name)
             value.const_value = None
             if not value.is_graph_input():

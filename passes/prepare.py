@@ -4,7 +4,10 @@
    recover torch parameters the exporter folded, mark torch's gradient conventions and
    classify float initializers as parameters, buffers or constants (``passes.exports``);
 2. fold small nodes computed from Constant nodes only (shape arguments become constants);
-3. expose the masks of training-mode Dropout nodes;
+3. expose the masks of training-mode Dropout nodes and the running statistics that
+   training-mode BatchNormalization updates (graph outputs ``<stat>.out``: onnxruntime's
+   optimizer computes a training-mode BatchNormalization whose statistics go unused as an
+   inference one);
 4. sort topologically, type sequence outputs, infer types and shapes (rules read them).
 
 Initializers, graph inputs and outputs are kept: the forward model computes what it did.
@@ -16,9 +19,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnx_ir.passes import InPlacePass, PassError, PassResult, Sequential
 
-from passes.exports import ClassifyWeightsPass, RecoverParametersPass, TorchConventionsPass
 from passes.autodiff.errors import unwrap_pass_errors
+from passes.exports import ClassifyWeightsPass, RecoverParametersPass, TorchConventionsPass
 from passes.expose_dropout_mask import ExposeDropoutMaskPass
+from passes.expose_running_stats import ExposeRunningStatsPass
 from passes.fold_constants import FoldConstantsPass
 from passes.sequence_types import TypeSequenceOutputsPass
 
@@ -36,6 +40,7 @@ class PrepareForGradientPass(InPlacePass):
             RecoverParametersPass(strict=self.strict_parameters),
             TorchConventionsPass(),
             ClassifyWeightsPass(),
+            ExposeRunningStatsPass(),
             common.TopologicalSortPass(),
             FoldConstantsPass(),
             ExposeDropoutMaskPass(),

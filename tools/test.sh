@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set everything up and run the test suite (what CI runs).
+# Set everything up, lint and type-check, and run the test suite (what CI runs).
 #   bash tools/test.sh              # full suite, slow real-model tests included
 #   bash tools/test.sh -m "not slow"   # skip the slow real-model tests locally
+# Arguments go to pytest only. ruff and mypy (configured in pyproject.toml) must be clean:
+# any finding fails the script before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
@@ -9,5 +11,10 @@ if [ -f tools/setup_ort_training.sh ] && [ "${GRADGRAPH_SKIP_ORT_TRAINING:-0}" !
   bash tools/setup_ort_training.sh
 fi
 VENV="${GRADGRAPH_VENV:-.venv}"
-# pytest exits 5 when it collects no test: that is a failure here too.
+echo "[test] ruff check"
+"$VENV/bin/ruff" check gradgraph passes tests tools
+echo "[test] mypy"
+"$VENV/bin/python" -m mypy
+# pytest exits 5 when it collects no test; the script exits with pytest's status, so that
+# fails too.
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -80,6 +80,14 @@ class Var:
         return self.value.dtype
 
     @property
+    def known_dtype(self) -> ir.DataType:
+        """``dtype``, which must be known (the graph is typed wherever a rule needs it)."""
+        dtype = self.value.dtype
+        if dtype is None:
+            raise ValueError(f"element type of {self.value.name!r} is unknown")
+        return dtype
+
+    @property
     def shape(self) -> list[Any] | None:
         return shape_dims(self.value.shape)
 
@@ -211,6 +219,7 @@ class GradBuilder:
 
     def const(self, array: Any, dtype: ir.DataType | np.dtype | None = None) -> Var:
         """A constant (deduplicated); ``dtype`` may be an ir.DataType or numpy dtype."""
+        np_dtype: np.dtype | None
         if isinstance(dtype, ir.DataType):
             np_dtype = dtype.numpy()
         else:
@@ -339,10 +348,10 @@ class GradBuilder:
         return self.op(op_type, x, axes=list(axes), keepdims=keepdims)
 
     def zeros_like(self, x: Var) -> Var:
-        return self.ConstantOfShape(self.Shape(x), value=ir.tensor(np.zeros(1, x.dtype.numpy())))
+        return self.ConstantOfShape(self.Shape(x), value=ir.tensor(np.zeros(1, x.known_dtype.numpy())))
 
     def ones_like(self, x: Var) -> Var:
-        return self.ConstantOfShape(self.Shape(x), value=ir.tensor(np.ones(1, x.dtype.numpy())))
+        return self.ConstantOfShape(self.Shape(x), value=ir.tensor(np.ones(1, x.known_dtype.numpy())))
 
     def cast_to(self, x: Var, dtype: ir.DataType | None) -> Var:
         if dtype is None or x.dtype == dtype:

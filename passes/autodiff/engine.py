@@ -125,7 +125,8 @@ class GradientBuilder:
     def _index_values(self) -> dict[str, ir.Value]:
         values: dict[str, ir.Value] = {}
         for v in self.graph.inputs:
-            values[v.name] = v
+            if v.name is not None:  # an unnamed input cannot be asked for by name
+                values[v.name] = v
         for name, v in self.graph.initializers.items():
             values[name] = v
         for node in self.graph:
@@ -157,8 +158,7 @@ class GradientBuilder:
         found = []
         for name in names:
             value = self.values.get(name)
-            is_source = value is not None and (value.is_graph_input() or value.is_initializer())
-            if not is_source:
+            if value is None or not (value.is_graph_input() or value.is_initializer()):
                 raise GradientError(
                     f"trained name {name!r} is neither an initializer nor a graph input of the model"
                 )
@@ -317,8 +317,9 @@ class GradientBuilder:
         value = g.value
         producer = value.producer()
         owned = self.b.owns(value)
-        if not owned or producer.op_type == "Constant" or value.is_graph_output() or \
-                value.name in self._exposed_names:
+        # owned implies a producer; the None test only tells the type checker so
+        if (not owned or producer is None or producer.op_type == "Constant"
+                or value.is_graph_output() or value.name in self._exposed_names):
             value = self.b.Identity(g).value
         value.name = name
         value.type = w.type

@@ -38,7 +38,7 @@ class WeightKind(str, enum.Enum):
 
 
 def _running_stats(graph: ir.Graph) -> set[str]:
-    stats = set()
+    stats: set[str] = set()
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
             stats.update(v.name for v in node.inputs[3:5] if v is not None and v.name)
@@ -54,6 +54,9 @@ def _rule_without_signature(value: ir.Value, stats: set[str]) -> tuple[WeightKin
         return WeightKind.CONSTANT, "scalar (epsilon, exponent or scale)"
     if tensor is not None and not np.isfinite(tensor.numpy()).all():
         return WeightKind.CONSTANT, "holds inf/NaN (a mask)"
+    recovered = value.metadata_props.get(RECOVERED_KEY)
+    if recovered:
+        return WeightKind.PARAMETER, f"float initializer ({recovered})"
     return WeightKind.PARAMETER, "float initializer (no export signature)"
 
 

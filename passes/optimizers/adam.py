@@ -53,7 +53,7 @@ class AdamWConfig(AdamConfig):
 
 def adam_update(b: GradBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[str, Var],
                 sc: StepScalars, lr_scale: float) -> tuple[Var, dict[str, Var]]:
-    dt = w.dtype
+    dt = w.known_dtype
     lr64 = sc.lr64(lr_scale)
     if cfg.weight_decay and cfg.decoupled:
         w = w * sc.cast(b.Sub(b.const(1.0, lr64.dtype), lr64 * cfg.weight_decay), dt)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import onnx_ir as ir
@@ -24,7 +24,7 @@ F64 = ir.DataType.DOUBLE
 class OptimizerConfig(Protocol):
     """A frozen dataclass of hyper-parameters with a registered update rule."""
 
-    name: str
+    name: ClassVar[str]
 
     def state_names(self) -> tuple[str, ...]: ...
 
@@ -34,7 +34,7 @@ _RULES: dict[type, UpdateFn] = {}
 _CONFIGS: dict[str, type] = {}
 
 
-def optimizer_rule(config_type: type) -> Callable[[UpdateFn], UpdateFn]:
+def optimizer_rule(config_type: type[OptimizerConfig]) -> Callable[[UpdateFn], UpdateFn]:
     """Register ``fn`` as the update rule of ``config_type`` (keyed by type and by its name)."""
 
     def register(fn: UpdateFn) -> UpdateFn:

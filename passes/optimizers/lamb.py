@@ -51,7 +51,7 @@ def _norm(b: GradBuilder, x: Var) -> Var:
 @optimizer_rule(LambConfig)
 def lamb_update(b: GradBuilder, cfg: LambConfig, w: Var, g: Var, state: dict[str, Var],
                 sc: StepScalars, lr_scale: float) -> tuple[Var, dict[str, Var]]:
-    dt = w.dtype
+    dt = w.known_dtype
     m = state["exp_avg"] * cfg.beta1 + g * (1.0 - cfg.beta1)
     v = state["exp_avg_sq"] * cfg.beta2 + g * g * (1.0 - cfg.beta2)
     m_hat, v_hat = m, v

@@ -45,5 +45,5 @@ def sgd_update(b: GradBuilder, cfg: SGDConfig, w: Var, g: Var, state: dict[str, 
         buf = b.Where(sc.first_step, d, running)
         new_state["momentum_buffer"] = buf
         d = d + buf * cfg.momentum if cfg.nesterov else buf
-    lr = sc.cast(sc.lr64(lr_scale), w.dtype)
+    lr = sc.cast(sc.lr64(lr_scale), w.known_dtype)
     return w - lr * d, new_state

@@ -81,7 +81,7 @@ def _scalar(b: GradBuilder, k: int) -> Var:
 
 def _zeros_state(b: GradBuilder, x: Var, hidden: int) -> Var:
     shape = b.Concat(b.dim(x, 1), [hidden], axis=0)
-    return b.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, x.dtype.numpy())))
+    return b.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, x.known_dtype.numpy())))
 
 
 def _params(b: GradBuilder, n, cell: Cell, d: int, hidden: int) -> DirectionParams:
@@ -116,7 +116,7 @@ def _forward(b, cell: Cell, p: DirectionParams, x: Var, h0: Var, c0: Var | None,
         state = cell.forward(b, p, b.Gather(xw, _scalar(b, t), axis=0), h, c)
         mask = None
         if lens is not None:
-            mask = b.Unsqueeze(b.Cast(b.Less(_scalar(b, t), lens), to=int(x.dtype)), [1])
+            mask = b.Unsqueeze(b.Cast(b.Less(_scalar(b, t), lens), to=int(x.known_dtype)), [1])
         steps.append(Step(t, h, c, state, mask))
         h = _blend(state["h"], h, mask)
         c = _blend(state["c"], c, mask) if c is not None else None

@@ -55,7 +55,7 @@ def activate(b: GradBuilder, op: str, pre: Var, p: DirectionParams) -> tuple[Var
     if p.clip is None:
         return b.op(op, pre), None
     y = b.op(op, b.Clip(pre, -p.clip, p.clip, _like=p.w))
-    return y, b.Cast(b.LessOrEqual(b.Abs(pre), b.const(p.clip, p.w.dtype)), to=int(p.w.dtype))
+    return y, b.Cast(b.LessOrEqual(b.Abs(pre), b.const(p.clip, p.w.dtype)), to=int(p.w.known_dtype))
 
 
 def d_sigmoid(dy: Var, y: Var, mask: Var | None) -> Var:
