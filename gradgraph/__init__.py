@@ -1,6 +1,7 @@
 """gradgraph: gradient and training graphs for ONNX models, in standard ONNX ops."""
 
 from gradgraph.api import GradientGraphBuilder, build_gradient_graph
+from gradgraph.batching import make_batch_dynamic
 from gradgraph.parameters import TrainingParameters
 from gradgraph.session import TrainingSession
 from gradgraph.training import TrainingConfig, build_training_artifacts
@@ -27,6 +28,7 @@ __all__ = [
     "list_weights",
     "build_training_artifacts",
     "build_gradient_graph",
+    "make_batch_dynamic",
     "grad_rule",
     "__version__",
 ]

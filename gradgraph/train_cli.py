@@ -284,18 +284,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fit_batch(model: str, batch_size: int) -> onnx.ModelProto:
-    """The model, made batch-dynamic when its user inputs fix another batch size."""
+    """The model, made batch-dynamic (and verified) when its inputs fix another batch size."""
     from gradgraph.io import load_model
+    from passes.batching import select_batch_inputs
 
     loaded = load_model(model)
-    leading = {v.shape[0] if v.shape is not None and len(v.shape) else None
-               for v in loaded.graph.inputs if not v.is_initializer()}
-    fixed = leading.pop() if len(leading) == 1 else None
-    fixed = fixed if isinstance(fixed, int) else None
-    if fixed is None or fixed == batch_size:
+    fixed, _ = select_batch_inputs(loaded.graph)
+    if not fixed or fixed == batch_size:
         return ir.to_proto(loaded)
     from gradgraph.batching import make_batch_dynamic
 
+    print(f"gradgraph train: the model was exported with batch {fixed}; making its batch dimension "
+          f"dynamic for --batch-size {batch_size}", file=sys.stderr)
     return make_batch_dynamic(loaded)
 
 

@@ -1,57 +1,144 @@
 """ToDoublePass: retype a float32 model to float64 (for finite-difference oracles).
 
-1. float32 graph inputs, outputs, initializers and intermediate values become float64;
-2. tensor attributes holding float32 (Constant, ConstantOfShape) are converted;
-3. dtype attributes that name float32 (Cast ``to``, Random* ``dtype``, EyeLike, the
-   ``stash_type`` of normalizations) name float64.
+1. float32 graph inputs, outputs, initializers and intermediate values become float64,
+   in the main graph and in every subgraph; sequence and optional values keep their
+   structure (``seq(float)`` becomes ``seq(double)``, never a tensor);
+2. tensor attributes holding float32 (Constant ``value``, ConstantOfShape ``value``) are
+   converted; Constant's ``value_float`` / ``value_floats`` (which can only hold float32)
+   become a float64 ``value`` tensor;
+3. dtype attributes that name float32 (Cast ``to``, Random* ``dtype``, EyeLike, window
+   ``output_datatype``, the ``stash_type`` of normalizations, ...) name float64, and ops
+   whose output is float32 when such an attribute is absent get it set explicitly
+   (ConstantOfShape without ``value``, RandomNormal/RandomUniform and SequenceEmpty without
+   ``dtype``, windows without ``output_datatype``, normalizations without ``stash_type``).
+
+Ops whose output type follows an input (CastLike, Expand, Range, Split, ...) need nothing:
+their inputs are retyped.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 F32, F64 = ir.DataType.FLOAT, ir.DataType.DOUBLE
-_DTYPE_ATTRS = ("to", "dtype", "stash_type")
+_DTYPE_ATTRS = ("to", "dtype", "stash_type", "output_datatype", "output_dtype")
+
+# Ops whose float output comes from an attribute that defaults to float32 when absent:
+# op_type -> the attribute (set to float64 when absent).
+_FLOAT32_BY_DEFAULT: dict[str, str] = {
+    "RandomNormal": "dtype",
+    "RandomUniform": "dtype",
+    "SequenceEmpty": "dtype",
+    "HannWindow": "output_datatype",
+    "HammingWindow": "output_datatype",
+    "BlackmanWindow": "output_datatype",
+    "MelWeightMatrix": "output_datatype",
+}
+
+
+def _double_type(type_: ir.TypeProtocol | None) -> ir.TypeProtocol | None:
+    """``type_`` with float32 elements made float64, or None when nothing changes."""
+    if isinstance(type_, ir.TensorType):
+        return ir.TensorType(F64) if type_.dtype == F32 else None
+    if isinstance(type_, (ir.SequenceType, ir.OptionalType)):
+        elem = _double_type(type_.elem_type)
+        return None if elem is None else type(type_)(elem)
+    return None
 
 
 def _retype(value: ir.Value) -> bool:
-    if value.dtype == F32:
-        value.type = ir.TensorType(F64)
-        return True
-    return False
+    new = _double_type(value.type)
+    if new is None:
+        return False
+    value.type = new
+    return True
 
 
-def _convert_tensor(tensor: ir.TensorProtocol) -> ir.Tensor | None:
+def _convert_tensor(tensor: ir.TensorProtocol) -> ir.TensorProtocol | None:
     if tensor.dtype != F32:
         return None
     return ir.tensor(tensor.numpy().astype(np.float64), name=tensor.name)
 
 
+def _is_default_domain(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx")
+
+
+def _has_attribute(node: ir.Node, name: str, opset: int) -> bool:
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    return name in schema.attributes
+
+
+def _convert_node(node: ir.Node, opset: int) -> bool:
+    modified = False
+    attrs = node.attributes
+    default_domain = _is_default_domain(node)
+    if default_domain and node.op_type == "Constant":
+        if "value_float" in attrs:
+            value = float(attrs.pop("value_float").value)
+            attrs["value"] = ir.AttrTensor("value", ir.tensor(np.array(value, dtype=np.float64)))
+            modified = True
+        elif "value_floats" in attrs:
+            values = list(attrs.pop("value_floats").value)
+            attrs["value"] = ir.AttrTensor("value", ir.tensor(np.array(values, dtype=np.float64)))
+            modified = True
+    if default_domain and node.op_type == "ConstantOfShape" and "value" not in attrs:
+        attrs["value"] = ir.AttrTensor("value", ir.tensor(np.zeros(1, dtype=np.float64)))
+        modified = True
+    if default_domain and node.op_type in _FLOAT32_BY_DEFAULT:
+        name = _FLOAT32_BY_DEFAULT[node.op_type]
+        if name not in attrs:
+            attrs[name] = ir.AttrInt64(name, int(F64))
+            modified = True
+    if default_domain and "stash_type" not in attrs and _has_attribute(node, "stash_type", opset):
+        # Normalizations compute their statistics in float32 unless told otherwise.
+        attrs["stash_type"] = ir.AttrInt64("stash_type", int(F64))
+        modified = True
+    for name, attr in list(attrs.items()):
+        if attr.type == ir.AttributeType.TENSOR:
+            converted = _convert_tensor(attr.value)
+            if converted is not None:
+                attrs[name] = ir.AttrTensor(name, converted)
+                modified = True
+        elif attr.type == ir.AttributeType.INT and name in _DTYPE_ATTRS and attr.value == F32:
+            attrs[name] = ir.AttrInt64(name, int(F64))
+            modified = True
+    for out in node.outputs:
+        modified |= _retype(out)
+    return modified
+
+
+def _convert_graph_values(graph: ir.Graph) -> bool:
+    modified = False
+    for value in list(graph.inputs) + list(graph.outputs):
+        modified |= _retype(value)
+    for value in graph.initializers.values():
+        if value.const_value is not None and value.const_value.dtype == F32:
+            value.const_value = _convert_tensor(value.const_value)
+            modified = True
+        modified |= _retype(value)
+    return modified
+
+
 class ToDoublePass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
-        modified = False
-        for value in list(model.graph.inputs) + list(model.graph.outputs):
-            modified |= _retype(value)
-        for value in model.graph.initializers.values():
-            if value.const_value is not None and value.const_value.dtype == F32:
-                value.const_value = _convert_tensor(value.const_value)
-                modified |= _retype(value)
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+        modified = _convert_graph_values(model.graph)
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
-            for out in node.outputs:
-                modified |= _retype(out)
-            for name, attr in list(node.attributes.items()):
-                if attr.type == ir.AttributeType.TENSOR:
-                    converted = _convert_tensor(attr.value)
-                    if converted is not None:
-                        node.attributes[name] = ir.AttrTensor(name, converted)
-                        modified = True
-                elif attr.type == ir.AttributeType.INT and name in _DTYPE_ATTRS and attr.value == F32:
-                    node.attributes[name] = ir.AttrInt64(name, int(F64))
-                    modified = True
-            for sub in node.attributes.values():
-                if sub.type == ir.AttributeType.GRAPH:
-                    for value in list(sub.value.inputs) + list(sub.value.outputs):
-                        modified |= _retype(value)
+            modified |= _convert_node(node, opset)
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.GRAPH:
+                    modified |= _convert_graph_values(attr.value)
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    for sub in attr.value:
+                        modified |= _convert_graph_values(sub)
+        for function in model.functions.values():
+            for node in ir.traversal.RecursiveGraphIterator(function):
+                modified |= _convert_node(node, function.opset_imports.get("", opset))
         return PassResult(model, modified)

@@ -64,3 +64,43 @@ def test_schedules(kind: str) -> None:
     assert s.lr_at(0) == pytest.approx(0.5)
     assert s.lr_at(1) == pytest.approx(1.0)
     assert s.lr_at(10) == pytest.approx(1.0 if kind == "constant" else 0.0)
+
+
+def test_fixed_batch_export_trains_at_another_batch_size(tmp_path: Path, capsys) -> None:
+    import warnings
+
+    from passes.batching import BATCH_ERROR
+
+    torch.manual_seed(0)
+    rows = mlp_batches(4, batch=8)
+    data = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+    np.savez(tmp_path / "data.npz", **data)
+    x, y = torch.from_numpy(data["x"][:4]), torch.from_numpy(data["y"][:4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(MLP(), (x, y), str(tmp_path / "b4.onnx"), input_names=["x", "y"],
+                          output_names=["loss"], dynamo=False)  # batch 4 baked in
+    out = tmp_path / "run"
+    args = ["train", str(tmp_path / "b4.onnx"), "--loss", "loss", "--data", str(tmp_path / "data.npz"),
+            "--steps", "3", "--batch-size", "8", "--quiet", "--checkpoint-dir", str(out)]
+    assert main(args) == 0
+    _, meta = read_checkpoint(out / CHECKPOINT_NAME)
+    assert meta["step"] == 3 and all(np.isfinite(meta["user"]["losses"]))
+
+    class RowMixer(torch.nn.Module):  # mixes batch rows into features: no batch-free form
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(12, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(self.fc(x.reshape(2, -1)), y[:2])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(RowMixer(), (x, y), str(tmp_path / "mix.onnx"), input_names=["x", "y"],
+                          output_names=["loss"], dynamo=False)
+    args[1] = str(tmp_path / "mix.onnx")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot make the batch dimension" in err and "dynamic_axes" in err and "Traceback" not in err
+    assert BATCH_ERROR.split("{")[0] in err
