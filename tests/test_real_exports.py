@@ -403,3 +403,18 @@ def test_train_lowers_loss_and_keeps_constants(exports: zoo.ExportCache, referen
             changed.append(name)
     assert not missing, f"buffers/constants of the export missing from {INFERENCE_NAME}: {missing}"
     assert not changed, f"buffers/constants changed by training: {changed}"
+
+
+@pytest.mark.parametrize(("model", "way"), CASES, ids=IDS)
+def test_check_prints_a_table_and_never_a_traceback(exports: zoo.ExportCache, model: str, way: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`gradgraph check` on every export: its table and exit 0 or 1; a refused export (folded
+    parameters) one error line and exit 2; never a traceback."""
+    path = exports.get(model, way)
+    code = cli_main(["check", str(path), "--loss", "loss", "--max-elements", "2"])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    if code == 2:
+        assert way == "dynamo" and "optimize=False" in err and err.count("\n") == 1
+    else:
+        assert code in (0, 1) and "max abs err" in out and "oracle:" in out
