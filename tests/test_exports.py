@@ -177,3 +177,18 @@ def test_batch_norm_mode_and_fused_parameters(tmp_path: Path) -> None:
     with pytest.raises(gradgraph.GradientError, match=r"bn\.weight.*optimize=False") as err:
         gradgraph.build_gradient_graph(tmp_path / "opt.onnx", "loss")
     assert "dw.weight" in str(err.value)
+
+
+def test_check_leaves_torch_padding_rows_out(tmp_path: Path, capsys) -> None:
+    from gradgraph.cli import main
+
+    torch.manual_seed(0)
+    args = _batch()
+    path = _export(Conventions(), args, tmp_path / "m.onnx", "dynamo_noopt")
+    np.savez(tmp_path / "batch.npz", ids=args[0].numpy(), x=args[1].numpy(), labels=args[2].numpy())
+    code = main(["check", str(path), "--loss", "loss", "--inputs", str(tmp_path / "batch.npz"),
+                 "--weights", "emb.weight", "--max-elements", "80"])
+    out = capsys.readouterr().out
+    # All 80 entries asked for; the 72 outside padding row 0 (10 rows x 8) are compared, row 0 is not.
+    assert code == 0, out
+    assert "emb.weight" in out and " 72 " in out
