@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from gradgraph.training import TrainingConfig
+from gradgraph.validate import close_matches
 from passes.optimizer_pass import TrainingNames
 from passes.optimizers import ParamGroup, config_type
 
@@ -72,6 +73,15 @@ class TrainingParameters:
         self.optimizer_initial_state: dict[str, dict[str, np.ndarray]] = {}
         for name, off in _UNSUPPORTED.items():
             setattr(self, name, off)
+        self._sealed = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Unknown properties are an error (a typo must not be silently ignored)."""
+        if getattr(self, "_sealed", False) and not hasattr(self, name):
+            known = sorted(k for k in vars(self) if not k.startswith("_"))
+            raise AttributeError(f"TrainingParameters has no property {name!r}"
+                                 f"{close_matches(name, known)}")
+        super().__setattr__(name, value)
 
     def set_optimizer_initial_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Initial optimizer state, laid out like ``TrainingSession.get_optimizer_state()``."""

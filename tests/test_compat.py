@@ -64,3 +64,14 @@ def test_for_runtime_refuses_a_dtype_the_ir_version_lacks():
 g (float[2,4] x) => (float4e2m1[2,4] y) { y = Cast<to=23>(x) }""")
     with pytest.raises(GradientError, match="FLOAT4E2M1, which needs IR version 11"):
         for_runtime(model)
+
+
+def test_training_parameters_refuse_unknown_properties() -> None:
+    import pytest
+
+    from gradgraph import TrainingParameters
+
+    params = TrainingParameters()
+    params.gradient_accumulation_steps = 2  # known: fine
+    with pytest.raises(AttributeError, match="use_mixed_precison.*did you mean 'use_mixed_precision'"):
+        params.use_mixed_precison = True
