@@ -126,6 +126,8 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
     stats_pass = ExposeRunningStatsPass(names.out_suffix)
     stats_pass(forward)
     buffers = list(stats_pass.stats)
+    updated = {v.name for v in stats_pass.stats.values()}
+    outputs = [o for o in outputs if o not in updated]  # the model's own outputs, not state
     floats = [name for name, v in forward.graph.initializers.items() if v.dtype in _FLOATS
               and v.metadata_props.get(KIND_KEY) != WeightKind.CONSTANT.value]
     known = set(forward.graph.initializers) | {v.name for v in forward.graph.inputs if v.name}
