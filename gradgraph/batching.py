@@ -17,13 +17,19 @@ that the input indexes (Gather / GatherElements data along the axis, the classes
 SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss, OneHot depth), found through value-preserving
 ops, else 2; bools fair coins; symbolic dims other than the batch are 2.
 
-Anything that fails (the pass refuses, or a check above) raises one :class:`GradientError` with
-:data:`BATCH_ERROR`, which names the batched inputs and how to export them with a dynamic batch.
+An export at batch 1 is converted with a warning: there a batch of 1 cannot always be told from
+other sizes of 1, and torch.export drops a division by the batch size (``x.sum() / x.shape[0]``
+becomes a plain sum); the checks above cannot tell a sum from a mean.
+
+Anything that fails (the pass refuses or fails, or a check above) raises one
+:class:`GradientError` with :data:`BATCH_ERROR`, which names the batched inputs and how to export
+them with a dynamic batch.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,12 +68,16 @@ def make_batch_dynamic(
     names = [v.name or "" for v in chosen]
     try:
         result = DynamicBatchPass(batch_inputs, dim_name)(working)
-    except Exception as exc:  # noqa: BLE001 - onnx_ir wraps what passes raise
+    except Exception as exc:  # noqa: BLE001 - onnx_ir wraps what passes raise; a user gets one error
         error = unwrap_pass_errors(exc)
         if isinstance(error, GradientError):
             raise error from None
-        raise
+        raise batch_error(names, f"the batch analysis failed ({type(exc).__name__}: {exc})") from exc
     dynamic = ir.to_proto(working)
+    if result.modified and size == 1:
+        warnings.warn(f"{names} were exported with batch 1, where the batch cannot always be told from "
+                      "other sizes of 1 (torch.export drops a division by the batch size, x / 1): "
+                      "export with a batch of 2 or more, or with a dynamic batch", stacklevel=2)
     if result.modified:
         _Verifier(original, dynamic, working.graph, names, size, dim_name, seed).run()
     return dynamic

@@ -161,6 +161,41 @@ def test_constant_with_equal_rows_broadcasts():
     np.testing.assert_allclose(_run(proto, x=x)[0], x + np.array([1, 2, 3], np.float32), rtol=1e-6)
 
 
+def test_batch_indices_from_a_folded_arange():
+    # The attention-mask gather of legacy transformers exports: mask.flatten()[b * 8 + j], with
+    # b a folded arange over the batch (a constant [4, 1, 1, 1] = 0..3): b becomes arange(N).
+    proto, _ = _pass("""
+    g (float[4, 8] mask) => (float[4, 1, 1, 8] m) {
+      rows = Constant<value = int64[4, 1, 1, 1] {0, 1, 2, 3}>()
+      eight = Constant<value = int64 {8}>()
+      cols = Constant<value = int64[1, 1, 1, 8] {0, 1, 2, 3, 4, 5, 6, 7}>()
+      scaled = Mul(rows, eight)
+      index = Add(scaled, cols)
+      all = Constant<value = int64[1] {-1}>()
+      flat = Reshape(mask, all)
+      m = Gather<axis = 0>(flat, index)
+    }""")
+    mask = _x(9, 8)
+    np.testing.assert_array_equal(_run(proto, mask=mask)[0], mask[:, None, None, :])
+
+
+RNN = """
+g (float[4, 5, 3] x) => (float[1, 4, 2] yh)
+  <float[1, 2, 3] w = {0.1, 0.2, 0.3, 0.4, 0.5, 0.6}, float[1, 2, 2] r = {0.1, -0.2, 0.3, 0.1}> {
+  xt = Transpose<perm = [1, 0, 2]>(x)
+  h0 = Constant<value = float[1, 4, 2] {0., 0., 0., 0., 0., 0., 0., 0.}>()
+  y, yh = RNN<hidden_size = 2>(xt, w, r, "", "", h0)
+}"""
+
+
+def test_recurrent_initial_state_follows_the_batch():
+    proto, model = _pass(RNN)
+    assert [str(d) for d in model.graph.outputs[0].shape] == ["1", "batch", "2"]
+    x = _x(9, 5, 3)
+    rows = _run(parser.parse_model(HEAD + RNN), x=x[:4])[0]  # RNN rows are independent
+    np.testing.assert_allclose(_run(proto, x=x)[0][:, :4], rows, rtol=1e-6)
+
+
 @pytest.mark.parametrize("body, reason", [
     ("y = Add(x, c)", "rows differ"),
     ("t = Constant<value = int64[2] {2, -1}>()\n y = Reshape(x, t)", "splits the rows"),
@@ -338,3 +373,57 @@ def test_batch_dependent_export_is_refused_with_the_documented_message(make, rea
     message = str(info.value)
     assert message.startswith(ERROR_HEAD + "'x', 'y'") and reason in message
     assert 'torch.export.Dim("batch")' in message and "dynamic_axes={'x': {0: 'batch'}, 'y': {0: 'batch'}}" in message
+
+
+# -- transformers models of the test zoo (masks built by advanced indexing, LSTM states) -----------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "t5", "lstm"])
+def test_zoo_export_gives_torch_loss_at_other_batches(name, exporter, tmp_path):
+    import model_zoo as zoo  # imports transformers
+
+    path, _, _ = zoo.export(name, exporter, "train_p0", str(tmp_path / f"{name}.onnx"))
+    module, batch, names = zoo.build(name, "train_p0")
+    dynamic = make_batch_dynamic(path)
+    for rows in (1, 5):  # the export batch is 2
+        args = tuple(torch.cat([t, t.flip(0), t])[:rows] for t in batch)
+        with torch.no_grad():
+            want = module(*args).item()
+        feeds = dict(zip(names, (a.numpy() for a in args)))
+        (got,) = _run(dynamic, **{i.name: feeds[i.name] for i in dynamic.graph.input})
+        np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=f"{rows} rows")
+
+
+# -- the train command -----------------------------------------------------------------------------
+
+REGRESSION = """
+g (float[4, 3] x, float[4] y) => (float loss) <float[3, 1] w = {0.5, -0.25, 0.125}, float[1, 3] rows = ROWS> {
+  xs = Add(x, rows)
+  p = MatMul(xs, w)
+  t = Constant<value = int64[1] {4}>()
+  q = Reshape(p, t)
+  d = Sub(q, y)
+  squares = Mul(d, d)
+  s = ReduceSum<keepdims = 0>(squares)
+  four = Constant<value = float {4.0}>()
+  loss = Div(s, four)
+}"""
+
+
+@pytest.mark.parametrize("rows, code", [("{0., 0., 0.}", 0), (None, 2)])
+def test_train_at_another_batch_size_or_the_documented_refusal(rows, code, tmp_path, capsys):
+    from gradgraph.cli import main
+
+    text = REGRESSION.replace("ROWS", rows) if rows else REGRESSION.replace(
+        "float[1, 3] rows = ROWS", "float[4, 3] rows = {1., 2., 3., 4., 5., 6., 7., 8., 9., 1., 2., 3.}")
+    onnx.save(parser.parse_model(HEAD + text), tmp_path / "m.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((30, 3)).astype(np.float32),
+             y=rng.standard_normal(30).astype(np.float32))
+    assert main(["train", str(tmp_path / "m.onnx"), "--loss", "loss", "--data", str(tmp_path / "d.npz"),
+                 "--steps", "3", "--batch-size", "6", "--optimizer", "sgd", "--lr", "0.1", "--quiet"]) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if code:
+        assert ERROR_HEAD + "'x', 'y'" in err and "dynamic_axes={'x': {0: 'batch'}, 'y': {0: 'batch'}}" in err

@@ -23,9 +23,10 @@ stays):
    (``x.reshape(2, -1)``) is refused.
 2. A batch-free value meeting a batched one on the batch axis (broadcasting ops, Concat, MatMul,
    Gemm's C, the initial states of LSTM/GRU/RNN, the indices of Gather/GatherND into the batch
-   axis, a graph output with leading size B) is traced back through elementwise ops, Cast,
-   Transpose, (Un)squeeze, Concat, Gather and Expand (to ``u`` when the shape is ``Shape(u)``) to
-   where it comes from, which is rewritten: an Expand / ConstantOfShape / Tile shape entry or a
+   axis, the data of GatherElements / ScatterElements, a graph output with leading size B) is
+   traced back through elementwise ops, Cast, Transpose, (Un)squeeze, Concat, Slice (of other
+   axes), Gather and Expand (to ``u`` when the shape is ``Shape(u)``) to where it comes from,
+   which is rewritten: an Expand / ConstantOfShape / Tile shape entry or a
    Range limit (start 0, step 1) becomes N*k; a constant (initializer or Constant) whose slices
    along that axis are all equal becomes its first slice (broadcast, or expanded to N); an
    integer constant whose slices are C0 + b*D (batch indices, a folded ``arange``) becomes
@@ -142,14 +143,22 @@ def _infer_shapes(model: ir.Model) -> None:
     constant-only nodes are folded (so Expand shapes computed by Where/ConstantOfShape chains are
     known) and whose large initializers are inputs (only their shapes matter). onnx_ir's
     ShapeInferencePass is not used: it types the outputs of sequence ops as tensors."""
-    proto = ir.to_proto(model)
-    large = [t for t in proto.graph.initializer if math.prod(t.dims) > 1024]
-    proto.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in large)
-    kept = [t for t in proto.graph.initializer if math.prod(t.dims) <= 1024]
-    del proto.graph.initializer[:]
-    proto.graph.initializer.extend(kept)
+    initializers = list(model.graph.initializers.values())
+    large = [v for v in initializers if v.const_value is not None and v.const_value.size > 1024]
+    for value in large:  # serialized without their data, then put back in their order
+        model.graph.initializers.pop(value.name or "")
+    try:
+        proto = ir.to_proto(model)
+    finally:
+        model.graph.initializers.clear()
+        for value in initializers:
+            model.graph.register_initializer(value)
+    proto.graph.input.extend(onnx.helper.make_tensor_value_info(v.name or "", int(v.dtype or 1),
+                                                                v.const_value.shape.numpy() if v.const_value else [])
+                             for v in large)
     folded = ir.from_proto(proto)
-    FoldConstantsPass()(folded)
+    with np.errstate(all="ignore"):  # e.g. casting a -inf mask to int: only shapes are read
+        FoldConstantsPass()(folded)
     try:
         inferred = onnx.shape_inference.infer_shapes(ir.to_proto(folded), strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - the analysis then works with the shapes it has
@@ -229,9 +238,8 @@ _REDUCE = frozenset(
 _RECURRENT = frozenset({"GRU", "LSTM", "RNN"})
 _SUMS = frozenset({"ReduceSum", "ReduceSumSquare", "ReduceL1"})
 _SUM_PASS = frozenset({"Identity", "Cast", "Neg", "Squeeze", "Unsqueeze", "Reshape", "Flatten"})
-_CONST_OPS = frozenset(
-    "Add Cast CastLike Concat ConstantOfShape Div Equal Expand Gather Identity Mul Neg Range Reshape "
-    "Slice Squeeze Sub Unsqueeze Where".split())
+_RANDOM = frozenset("Bernoulli Dropout Multinomial RandomNormal RandomNormalLike RandomUniform "
+                    "RandomUniformLike".split())
 _GENERATORS = {"Expand": 1, "ConstantOfShape": 0, "Tile": 1}
 
 
@@ -289,6 +297,11 @@ class _Analysis:
         self._consts: dict[ir.Value, np.ndarray | None] = {}
 
     def run(self) -> None:
+        for node in self.graph:  # shapes of values computed from constants, where inference has none
+            for value in node.outputs:
+                array = self.const(value) if _static(value) is None and len(node.outputs) == 1 else None
+                if array is not None:
+                    value.shape, value.dtype = ir.Shape(array.shape), ir.DataType.from_numpy(array.dtype)
         for _ in range(len(self.graph) + 2):
             grown = (len(self.forced), len(self.fixed))
             self.sweep()
@@ -318,10 +331,13 @@ class _Analysis:
             elif node.op_type == "Constant":
                 tensor = ir.convenience.get_const_tensor(value)
                 out = tensor.numpy() if tensor is not None else None
-            elif node.op_type in _CONST_OPS and node.domain in ("", "ai.onnx") and len(node.outputs) == 1:
+            elif node.domain in ("", "ai.onnx") and node.op_type not in _RANDOM and len(node.outputs) == 1 \
+                    and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+                                for a in node.attributes.values()):
                 arrays = [self.const(v) for v in node.inputs]
                 if all((a is not None and a.size <= 4096) or v is None for a, v in zip(arrays, node.inputs)):
-                    out = FoldConstantsPass._evaluate(node, arrays, self.opset)
+                    with np.errstate(all="ignore"):  # e.g. casting a -inf mask: the value is not needed
+                        out = FoldConstantsPass._evaluate(node, arrays, self.opset)
             self._consts[value] = out
         return self._consts[value]
 
@@ -350,7 +366,9 @@ class _Analysis:
     def meet(self, node: ir.Node, index: int, axis: int, factor: int, expand: bool) -> None:
         """A batch-free input of ``node`` meets the batch on its ``axis``: rewrite its source."""
         dims = _dims(node.inputs[index])
-        if axis < 0 or dims is None or dims[axis] in (1, None) or (node, index) in self.fixed:
+        if axis < 0 or dims is None or dims[axis] is None or (node, index) in self.fixed:
+            return
+        if dims[axis] == 1 and not (expand and factor * self.B == 1):  # it broadcasts
             return
         self.resolve(node.inputs[index], axis, factor, node, index, expand=expand)
 
@@ -368,7 +386,7 @@ class _Analysis:
                 if soft:
                     return False
                 raise _Refusal(f"{what} meets the batch on axis {axis} but is not computed from it")
-            if self.affine(array, axis, factor):
+            if self.affine(array, axis, factor) or (expand and factor * self.B == 1):
                 self.fixed[(consumer, index)] = Edit("affine", axis=axis, factor=factor, expand=expand)
                 return True
             raise _Refusal(f"the constant {what} has one row per batch entry on axis {axis} and its "
@@ -407,7 +425,7 @@ class _Analysis:
         data = _dims(node.inputs[0]) if node.op_type != "ConstantOfShape" else []
         data_axis = axis - (rank - len(data or []))
         data_dim = (data or [None])[data_axis] if data is not None and 0 <= data_axis < len(data) else 1
-        if 0 <= pos < len(shape) and shape[pos] == factor * self.B and (node.op_type != "Tile" or data_dim == 1):
+        if 0 <= pos < len(shape) and shape[pos] == factor * self.B and data_dim == 1:
             entries: list[int | N] = [int(x) for x in shape]
             entries[pos] = N(factor)
             return at, Edit("entries", tuple(entries))
@@ -458,6 +476,14 @@ class _Analysis:
             data = _dims(node.inputs[0]) or []
             k = axis - (rank - len(data))
             return [(0, k)] if 0 <= k < len(data) and data[k] != 1 else []
+        if op == "Slice":  # a slice of other axes
+            starts = self.const(node.inputs[1])
+            given = len(node.inputs) > 3 and node.inputs[3] is not None
+            slice_axes = self.const(node.inputs[3]) if given else None
+            if starts is None or (slice_axes is None and given):
+                return []
+            sliced = [int(a) % rank for a in (slice_axes if slice_axes is not None else range(len(starts)))]
+            return [] if axis in sliced else [(0, axis)]
         return []
 
     def _axes(self, node: ir.Node) -> list[int] | None:
@@ -505,7 +531,8 @@ class _Analysis:
         if node.op_type in ("Div", "Mul"):
             numel, factor = self.sums[source]
             c = self.const(node.inputs[1])
-            if c is not None and c.size == 1 and c.ndim <= 1 and c.dtype.kind == "f" and self.B > 1:
+            if c is not None and c.size == 1 and c.ndim <= 1 and c.dtype.kind == "f" and (
+                    self.B > 1 or node.op_type == "Div"):
                 value = float(c.reshape(-1)[0])
                 target = value if node.op_type == "Div" else (1.0 / value if value else 0.0)
                 if any(math.isclose(target, k, rel_tol=1e-6) for k in (self.B, factor * self.B, numel)):
@@ -547,6 +574,17 @@ class _Analysis:
             length = (_static(node.inputs[0]) or [0])[0]
             if index is not None and length:
                 picked = {i: held[int(x) % length] for i, x in enumerate(index.reshape(-1)) if int(x) % length in held}
+                if picked:
+                    self.shapes[out] = picked
+        elif op == "Slice":
+            starts, ends = self.const(node.inputs[1]), self.const(node.inputs[2])
+            length = (_static(node.inputs[0]) or [0])[0]
+            steps = self.const(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+            if starts is not None and ends is not None and starts.size == 1 and length and (
+                    steps is None or int(steps.reshape(-1)[0]) == 1):
+                lo = max(0, min(length, int(starts[0]) % length if starts[0] < 0 else int(starts[0])))
+                hi = max(0, min(length, int(ends[0]) + length if ends[0] < 0 else int(ends[0])))
+                picked = {p - lo: f for p, f in held.items() if lo <= p < hi}
                 if picked:
                     self.shapes[out] = picked
         elif op == "Mul":
@@ -696,6 +734,10 @@ class _Analysis:
         allowzero = node.attributes.get_int("allowzero", 0)
         out = _static(node.outputs[0]) if target is None else _reshaped(dims, target, allowzero)
         found = None if out is None else _regroup(dims, s, self.B, out)
+        held = self.shapes.get(node.inputs[1], {})
+        if found is None and target is None and len(held) == 1:  # a target computed from Shape(...)
+            (pos, factor), = held.items()
+            found = s.at(pos) if (pos, factor) == (s.axis, s.factor) else Batch(pos, factor)
         if found is None:
             if target is None:
                 return [UNKNOWN]
@@ -793,7 +835,7 @@ class _Analysis:
         axes = [k for k, d in enumerate(dims) if d == self.B]
         if len(axes) != 1 or self.B == 1:
             return None
-        self.meet(node, 1, axes[0], 1, expand=False)
+        self.meet(node, 1, axes[0], 1, expand=True)
         return Batch(axes[0])
 
     def v_Gather(self, node: ir.Node, ins: list[Batch | None]) -> list[Batch | None]:
@@ -826,7 +868,11 @@ class _Analysis:
 
     def v_GatherElements(self, node: ir.Node, ins: list[Batch | None]) -> list[Batch | None]:
         data, index = ins[:2]
-        return [index] if index is not None and data in (None, index) else [UNKNOWN]
+        if index is None or index is UNKNOWN or data not in (None, index):
+            return [UNKNOWN]
+        if data is None:  # the data needs the batch too (its dims bound the indices' dims)
+            self.meet(node, 0, index.axis, index.factor, expand=True)
+        return [index]
 
     def v_SoftmaxCrossEntropyLoss(self, node: ir.Node, ins: list[Batch | None]) -> list[Batch | None]:
         scores, labels = ins[:2]
@@ -903,7 +949,14 @@ class _Analysis:
         return [s]
 
     def v_ScatterElements(self, node: ir.Node, ins: list[Batch | None]) -> list[Batch | None]:
-        return [ins[0]] if ins[0] is not None and all(x in (None, ins[0]) for x in ins[1:]) else [UNKNOWN]
+        data = ins[0]
+        if data is None or data is UNKNOWN or any(x not in (None, data) for x in ins[1:]):
+            return [UNKNOWN]
+        if node.op_type == "ScatterElements":  # indices and updates match the data's rank
+            for i in (1, 2):
+                if ins[i] is None:
+                    self.meet(node, i, data.axis, data.factor, expand=True)
+        return [data]
 
     v_ScatterND = v_ScatterElements
 
