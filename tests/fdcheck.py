@@ -12,7 +12,6 @@ are reported as ``kinks`` and not compared: the derivative does not exist there.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -21,10 +20,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
-from onnx.reference.op_run import OpRun
-from onnx.reference.ops.op_conv_transpose import ConvTranspose as StockConvTranspose
 
 from gradgraph.api import build_gradient_graph
+from gradgraph.check import REFERENCE_OVERRIDES
 from passes.to_double import ToDoublePass
 
 LOSS = "fdcheck_loss"
@@ -91,96 +89,8 @@ def ort_runner(model: onnx.ModelProto) -> Callable[[Sequence[str], Mapping[str, 
     return lambda names, feeds: sess.run(list(names), dict(feeds))
 
 
-class Erf(OpRun):
-    """float64-exact Erf (the stock reference kernel computes in float32)."""
-
-    op_domain = ""
-
-    def _run(self, x):
-        return (np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype),)
-
-
-class Mean(OpRun):
-    """Broadcasting Mean (the stock reference kernel adds in place into its first input)."""
-
-    op_domain = ""
-
-    def _run(self, *args):
-        return (np.asarray(sum(args) / len(args)).astype(args[0].dtype),)
-
-
-class Gelu(OpRun):
-    """float64-exact Gelu (the stock one is a function body whose Erf computes in float32)."""
-
-    op_domain = ""
-
-    def _run(self, x, approximate="none"):
-        if approximate == "tanh":
-            inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)
-            return ((0.5 * x * (1.0 + np.tanh(inner))).astype(x.dtype),)
-        erf = np.vectorize(math.erf, otypes=[np.float64])
-        return ((0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype),)
-
-
-class Softsign(OpRun):
-    """Softsign that accepts 0-d inputs (the stock one returns a numpy scalar for them)."""
-
-    op_domain = ""
-
-    def _run(self, x):
-        return (np.asarray(x / (1.0 + np.abs(x))).astype(x.dtype),)
-
-
-class LayerNormalization(OpRun):
-    """LayerNormalization computed in the input's dtype (the stock one knows only stash float32)."""
-
-    op_domain = ""
-
-    def _run(self, x, scale, bias=None, axis=-1, epsilon=1e-5, stash_type=1):
-        axes = tuple(range(axis % x.ndim, x.ndim))
-        mean = x.mean(axis=axes, keepdims=True)
-        inv_std = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + epsilon)
-        y = (x - mean) * inv_std * scale + (0 if bias is None else bias)
-        return y.astype(x.dtype), mean.astype(x.dtype), inv_std.astype(x.dtype)
-
-
-class ConvTranspose(StockConvTranspose):
-    """Grouped ConvTranspose as one ungrouped call per group (the stock grouping is broken)."""
-
-    op_domain = ""
-
-    def _run(self, x, w, bias=None, group=None, **attrs):
-        group = group or 1
-        if group == 1:
-            return super()._run(x, w, bias, group=1, **attrs)
-        xs, ws = np.split(x, group, axis=1), np.split(w, group, axis=0)
-        y = np.concatenate([super(ConvTranspose, self)._run(xg, wg, None, group=1, **attrs)[0]
-                            for xg, wg in zip(xs, ws)], axis=1)
-        if bias is not None:
-            y = y + bias.reshape((1, -1) + (1,) * (y.ndim - 2))
-        return (y.astype(x.dtype),)
-
-
-class GlobalMaxPool(OpRun):
-    """Max over the spatial axes (the stock kernel drops the channel axis)."""
-
-    op_domain = ""
-
-    def _run(self, x):
-        return (x.max(axis=tuple(range(2, x.ndim)), keepdims=True),)
-
-
-class GlobalAveragePool(OpRun):
-    """Mean over the spatial axes, keeping N and C."""
-
-    op_domain = ""
-
-    def _run(self, x):
-        return (x.mean(axis=tuple(range(2, x.ndim)), keepdims=True).astype(x.dtype),)
-
-
-REFERENCE_OVERRIDES = [ConvTranspose, Erf, Gelu, GlobalAveragePool, GlobalMaxPool, LayerNormalization,
-                       Mean, Softsign]
+# The reference evaluator fixes (float64-exact Erf/Gelu, grouped ConvTranspose, ...) live in the
+# package, where `gradgraph check` uses them too.
 
 
 def reference_runner(model: onnx.ModelProto) -> Callable[[Sequence[str], Mapping[str, np.ndarray]], list]:
