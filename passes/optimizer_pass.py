@@ -32,6 +32,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.builder import GradBuilder, Var
+from passes.marks import STAGE_KEY, Role
 from passes.optimizers import ParamGroup, StepScalars, resolve, rule_for
 
 
@@ -101,6 +102,7 @@ class OptimizerPass(InPlacePass):
         opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 13)
         b = GradBuilder(opset, dict(model.opset_imports))
         b.prefix = "optimizer"
+        b.marks = {STAGE_KEY: Role.OPTIMIZER.value}
         s, names = self.settings, self.settings.names
         inputs = {v.name: v for v in graph.inputs}
         weights = sorted(self.gradients)

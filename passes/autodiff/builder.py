@@ -195,8 +195,12 @@ class GradBuilder:
         self._counter = 0
         self._consts: dict[tuple[bytes, str, tuple[int, ...]], Var] = {}
         self._wrapped: dict[int, Var] = {}
+        # metadata_props put on every node appended from now on (see passes.marks)
+        self.marks: dict[str, str] = {}
 
     def _append(self, node: ir.Node) -> None:
+        for key, value in self.marks.items():
+            node.metadata_props.setdefault(key, value)
         self.nodes.append(node)
         self._node_ids.add(id(node))
 

@@ -21,6 +21,7 @@ import onnx_ir as ir
 from passes.autodiff.builder import GradBuilder, NodeView, Var, shape_dims
 from passes.autodiff.errors import GradientError
 from passes.autodiff.registry import GradRule, lookup
+from passes.marks import GRAD_OF_KEY, GRADIENT_OF_KEY, STAGE_KEY, Role
 
 # The mark passes.exports.ClassifyWeightsPass puts on initializers (parameter/buffer/constant);
 # when present, the default trained set is the parameters.
@@ -222,6 +223,7 @@ class GradientBuilder:
                 path=[w.name or "", "...", self.loss.name or ""],
             )
         b = self.b
+        b.marks = {STAGE_KEY: Role.BACKWARD.value}
         seeds = {id(self.loss): [self._seed()]} if id(self.loss) in needs else {}
         total = self._sweep(active, needs, toward_loss, seeds)
 
@@ -241,6 +243,7 @@ class GradientBuilder:
                seeds: dict[int, list[Var]]) -> Callable[[ir.Value], Var | None]:
         """Visit ``active`` in reverse order from the ``seeds`` gradients; returns ``total(value)``."""
         b = self.b
+        outer = dict(b.marks)  # restored after each rule: nested sweeps (If bodies) share b
         contribs: dict[int, list[Var]] = {k: list(v) for k, v in seeds.items()}
         done: dict[int, Var | None] = {}
 
@@ -275,6 +278,7 @@ class GradientBuilder:
                 mask[i] = id(v) in needs and _is_diff_edge(rule, i, v)
             captured = [v for i, v in edges if i >= len(node.inputs)]
             b.prefix = f"{node.name or node.op_type}_grad"
+            b.marks = {**outer, STAGE_KEY: Role.BACKWARD.value, GRAD_OF_KEY: node.name or ""}
             view = NodeView(node, b, mask, captured)
             try:
                 in_grads = list(rule.fn(b, view, out_grads))
@@ -295,6 +299,7 @@ class GradientBuilder:
                     g = b.unbroadcast(g, out_shape, b.wrap(v))
                 g = b.cast_to(g, v.dtype)
                 contribs.setdefault(id(v), []).append(g)
+            b.marks = dict(outer)
 
         return total
 
@@ -324,6 +329,7 @@ class GradientBuilder:
         value.name = name
         value.type = w.type
         value.shape = w.shape
+        value.metadata_props[GRADIENT_OF_KEY] = w.name or ""
         self._exposed_names.add(name)
         return value
 
