@@ -15,9 +15,9 @@ from gradgraph.io import atomic_write_bytes, load_model
 from gradgraph.pipeline import Pipeline, Stage
 from gradgraph.validate import check_names, unknown_names
 from passes.autodiff import GradientError, GradientOptions
-from passes.gradient import GradientPass
-from passes.prepare import PrepareForGradientPass
-from passes.reduce_loss import ReduceLossPass
+from passes.autodiff.gradient_pass import GradientPass
+from passes.forward.prepare import PrepareForGradientPass
+from passes.forward.reduce_loss import ReduceLossPass
 
 
 def gradient_pipeline(loss: str, weights_to_train: Sequence[str] | None, options: GradientOptions,

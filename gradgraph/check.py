@@ -7,7 +7,7 @@ with the entry of the gradient that the gradient graph computes in onnxruntime.
 The oracle is the first of these that can run the model (:func:`gradcheck` reports which):
 
 1. ``float64-ort``: central differences of a float64 copy of the forward model
-   (:class:`passes.to_double.ToDoublePass`) in onnxruntime; step :data:`FLOAT64_EPS`,
+   (:class:`passes.forward.to_double.ToDoublePass`) in onnxruntime; step :data:`FLOAT64_EPS`,
    tolerances :data:`FLOAT64_RTOL` / :data:`FLOAT64_ATOL`.
 2. ``float64-reference``: the same float64 copy in ``onnx.reference.ReferenceEvaluator``,
    when onnxruntime's CPU provider cannot load or run it (it lacks float64 kernels for
@@ -53,8 +53,8 @@ from gradgraph.feeds import check_feeds
 from gradgraph.io import load_model
 from passes.autodiff import GradientError
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
-from passes.prepare import PrepareForGradientPass
-from passes.to_double import ToDoublePass
+from passes.forward.prepare import PrepareForGradientPass
+from passes.forward.to_double import ToDoublePass
 
 _NP_OF = {1: np.float32, 10: np.float16, 11: np.float64, 16: np.float32, 6: np.int32, 7: np.int64,
           9: np.bool_, 2: np.uint8, 3: np.int8}

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import onnx_ir as ir
 
 from passes.autodiff import GradientError
-from passes.reduce_loss import ReduceLossPass
+from passes.forward.reduce_loss import ReduceLossPass
 
 
 def check_names(what: str, names: object) -> None:

@@ -13,7 +13,7 @@ from passes.autodiff import GradientOptions, build_gradient
 from passes.exports import KIND_KEY, REASON_KEY, WeightKind
 from passes.exports.classify import FLOATS
 from passes.exports.recover import LOST_KEY, REEXPORT_HINT
-from passes.prepare import PrepareForGradientPass
+from passes.forward.prepare import PrepareForGradientPass
 
 
 @dataclasses.dataclass(frozen=True)

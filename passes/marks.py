@@ -28,6 +28,8 @@ STAGE_KEY = "gradgraph.stage"
 GRAD_OF_KEY = "gradgraph.grad_of"
 RECOMPUTE_OF_KEY = "gradgraph.recompute_of"
 GRADIENT_OF_KEY = "gradgraph.gradient_of"
+# On initializers a training graph holds as state: "trained", "frozen" or "buffer".
+HELD_KEY = "gradgraph.held"
 OUTPUT_KEY = "gradgraph.output"
 
 

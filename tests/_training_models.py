@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import torch
 
-from passes.optimizers import AdamWConfig, LambConfig, ParamGroup, SGDConfig, resolve
+from passes.optimizer import AdamWConfig, LambConfig, ParamGroup, SGDConfig, resolve
 
 RTOL = 1e-5
 PERTURB = 0.01

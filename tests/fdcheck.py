@@ -23,7 +23,7 @@ from onnx.reference import ReferenceEvaluator
 
 from gradgraph.api import build_gradient_graph
 from gradgraph.check import REFERENCE_OVERRIDES
-from passes.to_double import ToDoublePass
+from passes.forward.to_double import ToDoublePass
 
 LOSS = "fdcheck_loss"
 GRAD_SUFFIX = "_grad"

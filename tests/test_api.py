@@ -14,7 +14,7 @@ import torch
 from onnx import parser
 
 import gradgraph
-from gradgraph.cli import main as cli_main
+from gradgraph.cli.main import main as cli_main
 
 EXAMPLE = Path(gradgraph.__file__).parent / "examples" / "mlp.onnx"
 BATCH = Path(gradgraph.__file__).parent / "examples" / "mlp_batch.npz"
@@ -163,7 +163,7 @@ def test_cli_check_fails_on_a_wrong_rule(tmp_path, monkeypatch):
 
 
 def test_console_script_runs():
-    result = subprocess.run([sys.executable, "-m", "gradgraph.cli", "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "gradgraph.cli.main", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "gradgraph" in result.stdout
 
 

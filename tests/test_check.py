@@ -21,9 +21,9 @@ from onnx import helper as oh
 
 from gradgraph import check
 from gradgraph.check import gradcheck
-from gradgraph.cli import main as cli_main
+from gradgraph.cli.main import main as cli_main
 from passes.autodiff import GradientError, registry
-from passes.to_double import ToDoublePass
+from passes.forward.to_double import ToDoublePass
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -219,7 +219,7 @@ def test_dynamo_unoptimized_export_runs_in_float64_onnxruntime(exports):
 @pytest.mark.parametrize("name", ["cnn_noopt", "gelu_noopt", "silu_noopt", "gelu_legacy"])
 def test_float64_copy_of_real_exports_is_well_typed(exports, name):
     from gradgraph.io import load_model
-    from passes.prepare import PrepareForGradientPass
+    from passes.forward.prepare import PrepareForGradientPass
 
     forward = PrepareForGradientPass()(load_model(exports[name])).model
     ToDoublePass()(forward)

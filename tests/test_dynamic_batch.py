@@ -413,7 +413,7 @@ g (float[4, 3] x, float[4] y) => (float loss) <float[3, 1] w = {0.5, -0.25, 0.12
 
 @pytest.mark.parametrize("rows, code", [("{0., 0., 0.}", 0), (None, 2)])
 def test_train_at_another_batch_size_or_the_documented_refusal(rows, code, tmp_path, capsys):
-    from gradgraph.cli import main
+    from gradgraph.cli.main import main
 
     text = REGRESSION.replace("ROWS", rows) if rows else REGRESSION.replace(
         "float[1, 3] rows = ROWS", "float[4, 3] rows = {1., 2., 3., 4., 5., 6., 7., 8., 9., 1., 2., 3.}")

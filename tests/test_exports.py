@@ -118,7 +118,7 @@ def test_onnx_program_and_ir_model_are_accepted(tmp_path: Path) -> None:
 
 
 def test_cli_list_weights_and_unknown_names(tmp_path: Path, capsys) -> None:
-    from gradgraph.cli import main
+    from gradgraph.cli.main import main
 
     torch.manual_seed(0)
     path = _export(Conventions(), _batch(), tmp_path / "m.onnx", "dynamo")
@@ -180,7 +180,7 @@ def test_batch_norm_mode_and_fused_parameters(tmp_path: Path) -> None:
 
 
 def test_check_leaves_torch_padding_rows_out(tmp_path: Path, capsys) -> None:
-    from gradgraph.cli import main
+    from gradgraph.cli.main import main
 
     torch.manual_seed(0)
     args = _batch()

@@ -9,7 +9,7 @@ import onnxruntime as ort
 from onnx import parser
 
 import gradgraph
-from passes.fold_constants import FoldConstantsPass, FoldOptions
+from passes.forward.fold_constants import FoldConstantsPass, FoldOptions
 
 MODEL = """
 <ir_version: 9, opset_import: ["" : 18]>

@@ -10,8 +10,8 @@ import torch
 from _training_models import MLP, export_training, mlp_batches
 
 import gradgraph
-from gradgraph.checkpoint import read_checkpoint
-from gradgraph.train_cli import CHECKPOINT_NAME, EXIT_DIVERGED, main
+from gradgraph.cli.train import CHECKPOINT_NAME, EXIT_DIVERGED, main
+from gradgraph.training.checkpoint import read_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ def _state(session: gradgraph.TrainingSession) -> dict[str, np.ndarray]:
                                        gradgraph.LambConfig()])
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_nan_input_and_nan_lr_leave_state_bit_identical(model_bytes: bytes, optimizer, accumulate) -> None:
-    config = gradgraph.TrainingConfig("loss", optimizer, accumulation_steps=accumulate, max_grad_norm=1.0)
+    config = gradgraph.TrainingConfig("loss", optimizer, update=gradgraph.UpdateOptions(
+        accumulation_steps=accumulate, max_grad_norm=1.0))
     session = gradgraph.TrainingSession(model_bytes, config, providers=["CPUExecutionProvider"])
     batches = mlp_batches(8)
     for feeds in batches[:2 * accumulate]:  # some real steps first: non-zero optimizer state

@@ -14,10 +14,10 @@ import onnxruntime as ort
 import pytest
 from onnx import parser
 
-from passes.expose_dropout_mask import ExposeDropoutMaskPass
-from passes.fold_constants import FoldConstantsPass
-from passes.prepare import PrepareForGradientPass
-from passes.sequence_types import TypeSequenceOutputsPass
+from passes.forward.expose_dropout_mask import ExposeDropoutMaskPass
+from passes.forward.fold_constants import FoldConstantsPass
+from passes.forward.prepare import PrepareForGradientPass
+from passes.forward.sequence_types import TypeSequenceOutputsPass
 
 MODEL = """
 <ir_version: 9, opset_import: ["" : 18, "local" : 1]>

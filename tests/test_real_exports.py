@@ -36,8 +36,8 @@ pytest.importorskip("transformers")
 import export_zoo as zoo  # noqa: E402 - imports torch
 
 import gradgraph  # noqa: E402
-from gradgraph.checkpoint import read_checkpoint  # noqa: E402
-from gradgraph.cli import main as cli_main  # noqa: E402
+from gradgraph.cli.main import main as cli_main  # noqa: E402
+from gradgraph.training.checkpoint import read_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -361,7 +361,7 @@ def test_train_lowers_loss_and_keeps_constants(exports: zoo.ExportCache, referen
                                                tmp_path: Path, model: str, way: str) -> None:
     if (model, way) in REFUSED:
         pytest.skip("the default trained set is refused for this export (test_default_trained_set)")
-    from gradgraph.train_cli import CHECKPOINT_NAME, INFERENCE_NAME
+    from gradgraph.cli.train import CHECKPOINT_NAME, INFERENCE_NAME
 
     ref = _torch(references, model)
     path = exports.get(model, way)

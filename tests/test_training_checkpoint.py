@@ -15,9 +15,9 @@ import pytest
 import torch
 from _training_models import MLP, export_training, mlp_batches, run_torch
 
-from gradgraph import TrainingConfig, TrainingParameters, TrainingSession
-from gradgraph.checkpoint import CheckpointError
-from passes.optimizers import AdamWConfig, SGDConfig
+from gradgraph import TrainingConfig, TrainingParameters, TrainingSession, UpdateOptions
+from gradgraph.training.checkpoint import CheckpointError
+from passes.optimizer import AdamWConfig, SGDConfig
 
 LR = 0.05
 CPU = ["CPUExecutionProvider"]
@@ -33,8 +33,8 @@ def mlp_model() -> bytes:
 
 
 def _session(model: bytes, accumulate: int = 2) -> TrainingSession:
-    return TrainingSession(model, TrainingConfig("loss", AdamWConfig(), accumulation_steps=accumulate,
-                                                 max_grad_norm=1.0), providers=CPU)
+    return TrainingSession(model, TrainingConfig("loss", AdamWConfig(), update=UpdateOptions(
+        accumulation_steps=accumulate, max_grad_norm=1.0)), providers=CPU)
 
 
 def _assert_same_state(a: TrainingSession, b: TrainingSession) -> None:
@@ -89,10 +89,10 @@ _CHILD = """
 import os, sys, time
 sys.path[:0] = [{repo!r}, {tests!r}]
 from _training_models import mlp_batches
-from gradgraph import TrainingConfig, TrainingSession
-from passes.optimizers import AdamWConfig
-s = TrainingSession({model!r}, TrainingConfig("loss", AdamWConfig(), accumulation_steps=2,
-                    max_grad_norm=1.0), providers=["CPUExecutionProvider"])
+from gradgraph import TrainingConfig, TrainingSession, UpdateOptions
+from passes.optimizer import AdamWConfig
+s = TrainingSession({model!r}, TrainingConfig("loss", AdamWConfig(), update=UpdateOptions(
+                    accumulation_steps=2, max_grad_norm=1.0)), providers=["CPUExecutionProvider"])
 batches = mlp_batches(12)
 for f in batches[:7]:
     s.train_step(f, lr={lr!r})
@@ -173,8 +173,12 @@ def test_reference_compatible_api(mlp_model: bytes) -> None:
 def test_unsupported_parameters_raise(mlp_model: bytes) -> None:
     params = TrainingParameters()
     params.loss_output_name = "loss"
-    params.use_mixed_precision = True
-    with pytest.raises(NotImplementedError, match="mixed precision"):
+    params.use_fp16_moments = True
+    with pytest.raises(NotImplementedError, match="use_fp16_moments"):
+        TrainingSession(mlp_model, params)
+    params.use_fp16_moments = False
+    params.world_size = 2
+    with pytest.raises(NotImplementedError, match="world_size"):
         TrainingSession(mlp_model, params)
 
 

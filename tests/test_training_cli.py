@@ -1,4 +1,4 @@
-"""``gradgraph train`` (gradgraph.train_cli): a run, a resumed run, the loss curve."""
+"""``gradgraph train`` (gradgraph.cli.train): a run, a resumed run, the loss curve."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from _training_models import MLP, export_training, mlp_batches
 
-from gradgraph.checkpoint import read_checkpoint
-from gradgraph.schedules import Schedule
-from gradgraph.train_cli import CHECKPOINT_NAME, CURVE_NAME, INFERENCE_NAME, add_parser, main
+from gradgraph.cli.train import CHECKPOINT_NAME, CURVE_NAME, INFERENCE_NAME, add_parser, main
+from gradgraph.training.checkpoint import read_checkpoint
+from gradgraph.training.schedules import Schedule
 
 
 @pytest.fixture(scope="module")

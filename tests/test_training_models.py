@@ -14,9 +14,9 @@ import pytest
 import torch
 from _training_models import RTOL, assert_close_tensor, export_training, reference_training
 
-from gradgraph import TrainingConfig, TrainingSession
+from gradgraph import TrainingConfig, TrainingSession, UpdateOptions
 from passes.autodiff import lookup
-from passes.optimizers import AdamConfig, AdamWConfig, LambConfig, ParamGroup, SGDConfig
+from passes.optimizer import AdamConfig, AdamWConfig, LambConfig, ParamGroup, SGDConfig
 
 STEPS = 20
 LR = 0.01
@@ -137,8 +137,8 @@ def test_matches_reference(model: str, optimizer: str, accumulate: int, clip: fl
     assert frozen
     for name in frozen:
         module.get_parameter(name).requires_grad_(False)
-    config = TrainingConfig("loss", cfg, weights_not_to_train=frozen, groups=case.groups,
-                            accumulation_steps=accumulate, max_grad_norm=clip)
+    config = TrainingConfig("loss", cfg, weights_not_to_train=frozen, update=UpdateOptions(
+        groups=case.groups, accumulation_steps=accumulate, max_grad_norm=clip))
     session = TrainingSession(onnx_model, config, providers=CPU)
     art = session.artifacts
     assert not set(frozen) & set(art.trained) and not set(art.buffers) & set(art.trained)

@@ -17,8 +17,8 @@ from _training_models import (
     reference_training,
 )
 
-from gradgraph import TrainingConfig, TrainingSession, build_training_artifacts
-from passes.optimizers import AdamConfig, AdamWConfig, LambConfig, ParamGroup, SGDConfig
+from gradgraph import TrainingConfig, TrainingSession, UpdateOptions, build_training_artifacts
+from passes.optimizer import AdamConfig, AdamWConfig, LambConfig, ParamGroup, SGDConfig
 
 STEPS = 20
 LR = 0.05
@@ -58,8 +58,8 @@ def _compare(session: TrainingSession, ours: list[float], ref: tuple[list[float]
 def test_matches_reference(case: str, accumulate: int, clip: float | None) -> None:
     config = CASES[case]
     module, model = _mlp()
-    session = TrainingSession(model, TrainingConfig("loss", config, accumulation_steps=accumulate,
-                                                    max_grad_norm=clip), providers=CPU)
+    session = TrainingSession(model, TrainingConfig("loss", config, update=UpdateOptions(
+        accumulation_steps=accumulate, max_grad_norm=clip)), providers=CPU)
     batches = mlp_batches(STEPS * accumulate)
     ours = [session.train_step(f, lr=LR) for f in batches]
     _compare(session, ours, reference_training(module, config, batches, LR, accumulate, clip))
@@ -69,7 +69,8 @@ def test_matches_reference(case: str, accumulate: int, clip: float | None) -> No
 def test_param_groups_match_torch_groups() -> None:
     module, model = _mlp()
     groups = (ParamGroup(("*.bias",), {"weight_decay": 0.0}, lr_scale=0.5),)
-    session = TrainingSession(model, TrainingConfig("loss", AdamWConfig(weight_decay=0.2), groups=groups),
+    session = TrainingSession(model, TrainingConfig("loss", AdamWConfig(weight_decay=0.2),
+                                                    update=UpdateOptions(groups=groups)),
                               providers=CPU)
     batches = mlp_batches(STEPS)
     ours = [session.train_step(f, lr=LR) for f in batches]
@@ -94,8 +95,8 @@ def test_frozen_weights_unchanged() -> None:
 
 def test_training_graphs_are_standard_onnx() -> None:
     _, model = _mlp()
-    art = build_training_artifacts(model, TrainingConfig("loss", AdamWConfig(), accumulation_steps=2,
-                                                         max_grad_norm=1.0))
+    art = build_training_artifacts(model, TrainingConfig("loss", AdamWConfig(), update=UpdateOptions(
+        accumulation_steps=2, max_grad_norm=1.0)))
     for proto in (art.train, art.accumulate, art.eval):
         onnx.checker.check_model(proto, full_check=True)
         assert {n.domain for n in proto.graph.node} <= {"", "ai.onnx"}
@@ -121,7 +122,8 @@ def test_dropout_is_real_in_training_and_off_in_eval() -> None:
                     reason="onnxruntime has no CUDAExecutionProvider here")
 def test_cuda_matches_cpu() -> None:
     _, model = _mlp()
-    config = TrainingConfig("loss", AdamWConfig(), accumulation_steps=2, max_grad_norm=1.0)
+    config = TrainingConfig("loss", AdamWConfig(), update=UpdateOptions(accumulation_steps=2,
+                                                                      max_grad_norm=1.0))
     cpu = TrainingSession(model, config, providers=CPU)
     cuda = TrainingSession(model, config, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
     assert cuda.store.device == "cuda"

@@ -86,8 +86,8 @@ def child_gradgraph(name: str, out_dir: str, args) -> dict:
     import onnx
 
     from gradgraph import TrainingSession
-    from gradgraph.training import TrainingConfig
-    from passes.optimizers import AdamWConfig
+    from gradgraph.training.build import TrainingConfig
+    from passes.optimizer import AdamWConfig
 
     path = os.path.join(out_dir, f"{name}.onnx")
     feeds = dict(np.load(os.path.join(out_dir, f"{name}_inputs.npz")))

@@ -60,7 +60,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import TopologicalSortPass
 
 from passes.autodiff.errors import GradientError
-from passes.fold_constants import FoldConstantsPass
+from passes.forward.fold_constants import FoldConstantsPass
 
 USER_INPUT_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 INT64_MAX = int(np.iinfo(np.int64).max)

@@ -19,9 +19,10 @@ import onnx
 import onnx_ir as ir
 from tqdm import tqdm
 
+from gradgraph.cli.common import add_list_weights, list_weights, main_for
 from gradgraph.feeds import InputError, load_npz
-from gradgraph.schedules import KINDS, Schedule
-from passes.optimizers import config_type
+from gradgraph.training.schedules import KINDS, Schedule
+from passes.optimizer import config_type
 
 DESCRIPTION = """\
 Train an ONNX model whose graph outputs its own loss (e.g. a torch.onnx.export of a module
@@ -57,8 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--loss", required=True, help="name of the loss output")
     p.add_argument("--data", help=".npz with one array per model input (required unless "
                    "--list-weights)")
-    p.add_argument("--list-weights", action="store_true",
-                   help="print every float initializer, whether it is trained and why; then exit")
+    add_list_weights(p)
     p.add_argument("--reduce", choices=["sum", "mean"], default=None,
                    help="reduce a non-scalar loss (default: refuse one)")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw", "lamb"],
@@ -191,23 +191,22 @@ def save_curve(losses: Sequence[float], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradgraph.session import TrainingSession
-    from gradgraph.training import TrainingConfig
-    from passes.optimizers import ParamGroup
+    from gradgraph.training.options import TrainingConfig
+    from gradgraph.training.session import TrainingSession
+    from passes.optimizer import ParamGroup
+    from passes.optimizer.optimizer_pass import UpdateOptions
 
     if args.list_weights:
-        from gradgraph.weights import format_weights, list_weights
-
-        print(format_weights(list_weights(args.model, args.loss)))
-        return 0
+        return list_weights(args)
     _validate(args)
     ckpt_dir = _checkpoint_dir(args)
     data = load_npz(args.data, "data file")
     groups = (ParamGroup(tuple(args.no_decay), {"weight_decay": 0.0}),) if args.no_decay else ()
     try:
         config = TrainingConfig(args.loss, _optimizer(args), weights_not_to_train=tuple(args.freeze),
-                                groups=groups, accumulation_steps=args.accumulate,
-                                max_grad_norm=args.clip, loss_reduction=args.reduce)
+                                loss_reduction=args.reduce, update=UpdateOptions(
+                                    groups=groups, accumulation_steps=args.accumulate,
+                                    max_grad_norm=args.clip))
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if args.device == "cuda" \
@@ -300,11 +299,7 @@ def _fit_batch(model: str, batch_size: int) -> onnx.ModelProto:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gradgraph")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    from gradgraph.cli import run_command
-
-    return run_command(parser.parse_args(argv))
+    return main_for(add_parser, None if argv is None else list(argv))
 
 
 if __name__ == "__main__":

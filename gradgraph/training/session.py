@@ -1,7 +1,7 @@
 """TrainingSession: train an ONNX model in stock onnxruntime.
 
 Weights, running statistics, optimizer state, the step counter and accumulation buffers are
-OrtValues on the session's device (see :mod:`gradgraph.ort_state`); each step binds them
+OrtValues on the session's device (see :mod:`gradgraph.training.ort_state`); each step binds them
 through IOBinding and swaps them with the updated outputs. With ``accumulation_steps = N``,
 micro-steps 1..N-1 run the accumulate graph and micro-step N the training graph, which also
 applies the optimizer.
@@ -25,16 +25,16 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from gradgraph.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from gradgraph.io import save_model
-from gradgraph.ort_state import GraphRunner, StateStore
-from gradgraph.parameters import TrainingParameters
-from gradgraph.training import (
+from gradgraph.training.build import (
     TrainingArtifacts,
     TrainingConfig,
     build_training_artifacts,
     inference_model,
 )
+from gradgraph.training.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from gradgraph.training.ort_state import GraphRunner, StateStore
+from gradgraph.training.parameters import TrainingParameters
 from passes.autodiff import GradientError
 
 MICRO_STEP_KEY = "micro_step"
@@ -62,6 +62,21 @@ def _device_of(providers: Sequence[Any]) -> tuple[str, int]:
     if name != "CPUExecutionProvider":
         raise ValueError(f"provider {name!r} is not supported (use CUDAExecutionProvider or CPU)")
     return "cpu", 0
+
+
+def _with_optimized_path(args: tuple[Any, ...], path: str) -> tuple[Any, ...]:
+    """``args`` of a GraphRunner whose session writes onnxruntime's optimized graph to ``path``."""
+    if not path:
+        return args
+    held, names, sess_options, providers, provider_options = args
+    options = ort.SessionOptions()
+    if sess_options is not None:  # copy what a user may have set
+        for attr in ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
+                     "execution_mode", "execution_order", "enable_cpu_mem_arena",
+                     "enable_mem_pattern", "log_severity_level"):
+            setattr(options, attr, getattr(sess_options, attr))
+    options.optimized_model_filepath = str(path)
+    return held, names, options, providers, provider_options
 
 
 class TrainingSession:
@@ -94,7 +109,8 @@ class TrainingSession:
         held = set(self.store.names())
         args = (held, self.names, sess_options, self.providers, provider_options)
         art = self.artifacts
-        self._train = GraphRunner(art.train, *args)
+        optimized = config.debug.graph_save_paths.model_with_training_graph_after_optimization_path
+        self._train = GraphRunner(art.train, *_with_optimized_path(args, optimized))
         self._accumulate = GraphRunner(art.accumulate, *args) if art.accumulate is not None else None
         self._eval = GraphRunner(art.eval, *args)
         self.micro_step = 0
@@ -115,9 +131,20 @@ class TrainingSession:
             for s in states:
                 self.store.set(names.state(w, s), np.zeros_like(art.initial[w]))
         self.store.set(names.step, np.zeros((), np.int64))
+        if self.config.mixed_precision.scales_loss:
+            scaler = self.config.mixed_precision.loss_scaler
+            self.store.set(names.loss_scale, np.asarray(scaler.init_scale, np.float32))
+            self.store.set(names.stable_steps, np.zeros((), np.int64))
         if art.accumulate is not None:
             for w in art.trained:
                 self.store.set(names.buffer(w), np.zeros_like(art.initial[w]))
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The dynamic loss scale (mixed precision with a scaled loss), else None."""
+        if self.names.loss_scale not in self.store.names():
+            return None
+        return float(self.store.get(self.names.loss_scale))
 
     @property
     def step(self) -> int:
@@ -162,7 +189,7 @@ class TrainingSession:
                 continue
             array = np.asarray(value)
             if name == MICRO_STEP_KEY:
-                steps = self.config.accumulation_steps
+                steps = self.config.update.accumulation_steps
                 if array.shape != () or not 0 <= int(array) < steps:
                     raise CheckpointError(f"{MICRO_STEP_KEY} must be a scalar in [0, {steps}); got {array}")
                 continue
@@ -189,7 +216,7 @@ class TrainingSession:
         """One micro-step; returns the loss, or ``(loss, {name: array})`` when ``fetches`` is given."""
         names = self.names
         feeds = dict(feeds)
-        steps = self.config.accumulation_steps
+        steps = self.config.update.accumulation_steps
         applying = self.micro_step + 1 == steps
         if steps > 1:
             feeds[names.reset] = np.array(self.micro_step == 0)
@@ -235,7 +262,7 @@ class TrainingSession:
         state = self.get_state()
         meta = {"step": self.step, "micro_step": self.micro_step,
                 "optimizer": self.config.optimizer.name,
-                "accumulation_steps": self.config.accumulation_steps,
+                "accumulation_steps": self.config.update.accumulation_steps,
                 "skipped_steps": self.skipped_steps,
                 "model": self.artifacts.params, "user": dict(user_dict or {})}
         write_checkpoint(path, state, meta)

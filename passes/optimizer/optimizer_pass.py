@@ -18,6 +18,13 @@ gradient values from ``GradientPass``:
    the loss and every new weight and state are finite (a NaN/inf gradient, learning rate or
    hyper-parameter makes them non-finite); when it is false every ``X.out`` is ``X`` itself,
    bit for bit (``Where(finite, new, old)``), the step counter included: the step is skipped.
+6. with ``loss_scale`` (mixed precision; the loss was multiplied by the ``loss_scale`` input
+   before differentiation, see ``LossScalePass``): the gradients are divided by it before
+   clipping, ``all_gradients_finite`` is output, a step with a non-finite gradient is skipped
+   (whatever ``skip_non_finite`` says), and the scale and its ``stable_steps`` counter are
+   updated (see :class:`LossScaleSettings`).
+
+Scalar outputs carry their role in ``metadata_props`` (:class:`passes.marks.OutputRole`).
 
 Every state input ``X`` that changes has the output ``X.out``; runtimes bind one to the other.
 """
@@ -32,8 +39,8 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.builder import GradBuilder, Var
-from passes.marks import STAGE_KEY, Role
-from passes.optimizers import ParamGroup, StepScalars, resolve, rule_for
+from passes.marks import OUTPUT_KEY, STAGE_KEY, OutputRole, Role
+from passes.optimizer import ParamGroup, StepScalars, resolve, rule_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,10 @@ class TrainingNames:
     reset: str = "lazy_reset_grad"
     grad_norm: str = "global_gradient_norm"
     finite: str = "step_finite"
+    gradients_finite: str = "all_gradients_finite"
+    loss_scale: str = "loss_scale"
+    stable_steps: str = "loss_scale.stable_steps"
+    scaled_loss: str = "scaled_loss"
 
     def out(self, name: str) -> str:
         return name + self.out_suffix
@@ -66,10 +77,35 @@ class TrainingNames:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerSettings:
-    """Everything the optimizer part of a training graph depends on."""
+class LossScaleSettings:
+    """Dynamic loss scaling (the reference's ``amp.DynamicLossScaler`` defaults).
 
-    optimizer: Any
+    The scale is state: input ``loss_scale`` (float scalar) and ``loss_scale.stable_steps``
+    (int64 scalar), with ``.out`` outputs. After each step: finite -> stable + 1, and when it
+    reaches ``up_scale_window`` the scale doubles (at most ``max_loss_scale``) and stable
+    restarts at 0; not finite -> the scale halves (at least ``min_loss_scale``), stable = 0,
+    and the update is skipped.
+    """
+
+    init_scale: float = float(1 << 16)
+    up_scale_window: int = 2000
+    min_loss_scale: float = 1.0
+    max_loss_scale: float = float(1 << 24)
+    # False: a fixed scale (overflowing steps are still skipped).
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_loss_scale <= self.init_scale <= self.max_loss_scale:
+            raise ValueError("loss scaler: need 0 < min_loss_scale <= init_scale <= max_loss_scale "
+                             f"(got {self.min_loss_scale}, {self.init_scale}, {self.max_loss_scale})")
+        if self.up_scale_window < 1:
+            raise ValueError(f"loss scaler: up_scale_window must be >= 1 (got {self.up_scale_window})")
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateOptions:
+    """How gradients become an update, whatever the optimizer algorithm."""
+
     groups: tuple[ParamGroup, ...] = ()
     accumulation_steps: int = 1
     # Global L2 gradient-norm clipping threshold; None disables clipping.
@@ -79,6 +115,8 @@ class OptimizerSettings:
     keep_gradient_outputs: bool = False
     # Leave weights and state untouched when the step is not finite (see the module docstring).
     skip_non_finite: bool = True
+    # Gradients arrive scaled by the ``loss_scale`` input (mixed precision): unscale, update it.
+    loss_scale: LossScaleSettings | None = None
     names: TrainingNames = TrainingNames()
 
     def __post_init__(self) -> None:
@@ -86,6 +124,17 @@ class OptimizerSettings:
             raise ValueError(f"accumulation_steps must be >= 1 (got {self.accumulation_steps})")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 (got {self.max_grad_norm})")
+        if self.clip_eps < 0:
+            raise ValueError(f"clip_eps must be >= 0 (got {self.clip_eps})")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """Everything the optimizer part of a training graph depends on: the algorithm's config
+    (``SGDConfig``, ``AdamWConfig``, ...) and the update options."""
+
+    optimizer: Any
+    update: UpdateOptions = UpdateOptions()
 
 
 class OptimizerPass(InPlacePass):
@@ -103,7 +152,8 @@ class OptimizerPass(InPlacePass):
         b = GradBuilder(opset, dict(model.opset_imports))
         b.prefix = "optimizer"
         b.marks = {STAGE_KEY: Role.OPTIMIZER.value}
-        s, names = self.settings, self.settings.names
+        s = self.settings.update
+        names = s.names
         inputs = {v.name: v for v in graph.inputs}
         weights = sorted(self.gradients)
         missing = [w for w in weights if w not in inputs]
@@ -128,7 +178,7 @@ class OptimizerPass(InPlacePass):
             return b.wrap(value)
 
         def add_output(var: Var, name: str, like: ir.Value | None = None,
-                       scalar: ir.DataType = ir.DataType.FLOAT) -> None:
+                       scalar: ir.DataType = ir.DataType.FLOAT, role: OutputRole | None = None) -> None:
             value = var.value
             owned = b.owns(value)
             if not owned or value.is_graph_input() or value.is_graph_output():
@@ -138,6 +188,8 @@ class OptimizerPass(InPlacePass):
                 value.type, value.shape = like.type, like.shape
             else:  # unlike outputs are scalars: the gradient norm, the finite flag
                 value.type, value.shape = ir.TensorType(scalar), ir.Shape([])
+            if role is not None:
+                value.metadata_props[OUTPUT_KEY] = role.value
             outputs.append(value)
 
         if s.accumulation_steps > 1:
@@ -150,6 +202,9 @@ class OptimizerPass(InPlacePass):
                 else:
                     grads[w] = grads[w] * (1.0 / s.accumulation_steps)
         if self.apply:
+            scaler = None
+            if s.loss_scale is not None:
+                scaler = self._unscale(b, graph, grads, add_input, add_output)
             if s.max_grad_norm is not None:
                 self._clip(b, grads, add_output)
             lr = add_input(names.learning_rate, None, ir.DataType.FLOAT)
@@ -157,7 +212,7 @@ class OptimizerPass(InPlacePass):
             sc = StepScalars(b, lr, step)
             updates: list[tuple[Var, Var, str, ir.Value]] = []  # (new, old, output name, like)
             for w in weights:
-                cfg, lr_scale = resolve(s.optimizer, s.groups, w)
+                cfg, lr_scale = resolve(self.settings.optimizer, s.groups, w)
                 state = {k: add_input(names.state(w, k), inputs[w]) for k in cfg.state_names()}
                 new_w, new_state = rule_for(cfg)(b, cfg, b.wrap(inputs[w]), grads[w], state, sc,
                                                  lr_scale)
@@ -170,18 +225,61 @@ class OptimizerPass(InPlacePass):
                 if self.loss is not None:
                     checked.append(b.wrap(self.loss))
                 finite = _all_finite(b, checked)
+                if scaler is not None:
+                    finite = b.And(finite, scaler)
                 updates = [(b.Where(finite, new, old), old, name, like)
                            for new, old, name, like in updates]
-                add_output(finite, names.finite, None, ir.DataType.BOOL)
+                add_output(finite, names.finite, None, ir.DataType.BOOL, OutputRole.STEP_FINITE)
+            elif scaler is not None:
+                updates = [(b.Where(scaler, new, old), old, name, like)
+                           for new, old, name, like in updates]
             for new, _, name, like in updates:
                 add_output(new, name, like)
+            if scaler is not None:
+                self._update_scale(b, scaler, add_output)
         _uniquify(graph, b.nodes)
         graph.extend(b.nodes)
         graph.outputs.extend(outputs)
         return PassResult(model, True)
 
+    def _unscale(self, b: GradBuilder, graph: ir.Graph, grads: dict[str, Var], add_input: Any,
+                 add_output: Any) -> Var:
+        """Divide the gradients by the ``loss_scale`` input; returns ``all_gradients_finite``."""
+        names = self.settings.update.names
+        f32 = ir.DataType.FLOAT
+        scale = next((b.wrap(v) for v in graph.inputs if v.name == names.loss_scale), None)
+        if scale is None:  # LossScalePass made it; a graph without it gets it here
+            scale = add_input(names.loss_scale, None, f32)
+        scale.value.metadata_props[OUTPUT_KEY] = OutputRole.LOSS_SCALE.value
+        self._scale = scale
+        self._stable = add_input(names.stable_steps, None, ir.DataType.INT64)
+        inverse = b.Reciprocal(scale)
+        for w, g in grads.items():
+            grads[w] = g * b.cast_to(inverse, g.dtype)
+        finite = _all_finite(b, list(grads.values()))
+        add_output(finite, names.gradients_finite, None, ir.DataType.BOOL,
+                   OutputRole.ALL_GRADIENTS_FINITE)
+        return finite
+
+    def _update_scale(self, b: GradBuilder, finite: Var, add_output: Any) -> None:
+        """The dynamic loss scaler's step (see :class:`LossScaleSettings`)."""
+        s = self.settings.update
+        cfg, names = s.loss_scale, s.names
+        assert cfg is not None
+        f32 = ir.DataType.FLOAT
+        stable = b.Where(finite, self._stable + 1, b.const(0, ir.DataType.INT64))
+        grow = b.GreaterOrEqual(stable, b.const(cfg.up_scale_window, ir.DataType.INT64))
+        up = b.Min(self._scale * 2.0, b.const(cfg.max_loss_scale, f32))
+        down = b.Max(self._scale * 0.5, b.const(cfg.min_loss_scale, f32))
+        new_scale = b.Where(finite, b.Where(grow, up, self._scale), down)
+        stable = b.Where(grow, b.const(0, ir.DataType.INT64), stable)
+        if not cfg.dynamic:
+            new_scale, stable = self._scale, self._stable
+        add_output(new_scale, names.out(names.loss_scale), None, f32)
+        add_output(stable, names.out(names.stable_steps), None, ir.DataType.INT64)
+
     def _clip(self, b: GradBuilder, grads: dict[str, Var], add_output: Any) -> None:
-        s = self.settings
+        s = self.settings.update
         f32 = ir.DataType.FLOAT
         squares = [b.cast_to(b.reduce("ReduceSumSquare", g, None, keepdims=0), f32)
                    for g in grads.values()]
@@ -189,7 +287,7 @@ class OptimizerPass(InPlacePass):
         coef = b.Min(b.const(s.max_grad_norm, f32) / (total + s.clip_eps), b.const(1.0, f32))
         for w, g in grads.items():
             grads[w] = g * b.cast_to(coef, g.dtype)
-        add_output(total, s.names.grad_norm)
+        add_output(total, s.names.grad_norm, role=OutputRole.GRAD_NORM)
 
 
 def _all_finite(b: GradBuilder, values: list[Var]) -> Var:

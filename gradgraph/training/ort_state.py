@@ -16,7 +16,7 @@ import onnx
 import onnxruntime as ort
 
 from gradgraph.feeds import NP_OF_ORT, check_feeds
-from passes.optimizer_pass import TrainingNames
+from passes.optimizer.optimizer_pass import TrainingNames
 
 # onnxruntime optimizers that must not run on training graphs (real dropout must stay).
 DISABLED_OPTIMIZERS = ("EliminateDropout",)

@@ -1,9 +1,21 @@
 """``TrainingParameters``: the reference's (onnxruntime.TrainingParameters) properties.
 
 Properties that gradgraph implements are turned into a :class:`TrainingConfig` by
-:meth:`TrainingParameters.to_config`; those that ask for something not implemented
-(mixed precision, distributed or pipeline training, recompute) raise
-``NotImplementedError`` naming the property, instead of being ignored.
+:meth:`TrainingParameters.to_config`, each onto its option group:
+
+- ``gelu_recompute``, ``attn_dropout_recompute``, ``transformer_layer_recompute``,
+  ``number_recompute_layers`` -> ``graph_transformer.recompute``;
+- ``propagate_cast_ops_level`` / ``propagate_cast_ops_allow`` (and the gradgraph extension
+  ``propagate_cast_ops_strategy``, default FLOOD_FILL as the reference's C++ default) ->
+  ``graph_transformer.propagate_cast_ops``;
+- ``use_mixed_precision`` (fp16; the extension ``mixed_precision_dtype`` picks bfloat16) and
+  ``loss_scale`` (0: dynamic, the default; > 0: a fixed scale) -> ``mixed_precision``;
+- the three ``model_*_path`` properties (and the extension
+  ``model_with_training_graph_after_optimization_path``) -> ``debug.graph_save_paths``.
+
+Those that ask for something not implemented (distributed or pipeline training, fp16
+moments, the memory-efficient LayerNorm gradient) raise ``NotImplementedError`` naming the
+property, instead of being ignored.
 
 Optimizer names: the reference's ``SGDOptimizer``, ``AdamOptimizer``, ``LambOptimizer``, or
 gradgraph's ``sgd``, ``adam``, ``adamw``, ``lamb``. ``optimizer_attributes_map`` maps a weight
@@ -22,10 +34,18 @@ from typing import Any
 
 import numpy as np
 
-from gradgraph.training import TrainingConfig
+from gradgraph.training.options import (
+    CastPropagationConfig,
+    CastStrategy,
+    DebugOptions,
+    GraphSavePaths,
+    GraphTransformerOptions,
+    MixedPrecisionConfig,
+    TrainingConfig,
+)
 from gradgraph.validate import close_matches
-from passes.optimizer_pass import TrainingNames
-from passes.optimizers import ParamGroup, config_type
+from passes.optimizer import ParamGroup, config_type
+from passes.optimizer.optimizer_pass import LossScaleSettings, TrainingNames, UpdateOptions
 
 _REFERENCE_OPTIMIZERS = {"sgdoptimizer": "sgd", "adamoptimizer": "adam", "lamboptimizer": "lamb"}
 _ATTRIBUTE_ALIASES = {"alpha": "beta1", "beta": "beta2", "lambda": "weight_decay", "epsilon": "eps"}
@@ -35,13 +55,21 @@ DEFAULT_MAX_GRAD_NORM = 1.0
 
 # property -> value that means "feature off"; anything else raises NotImplementedError.
 _UNSUPPORTED = {
-    "use_mixed_precision": False, "use_fp16_moments": False, "loss_scale": 0.0,
+    "use_fp16_moments": False,
     "world_size": 1, "world_rank": 0, "data_parallel_size": 1, "horizontal_parallel_size": 1,
     "pipeline_parallel_size": 1, "num_pipeline_micro_batches": 1, "deepspeed_zero_stage": 0,
-    "enable_adasum": False, "allreduce_post_accumulation": False, "attn_dropout_recompute": False,
-    "gelu_recompute": False, "transformer_layer_recompute": False, "number_recompute_layers": 0,
+    "enable_adasum": False, "allreduce_post_accumulation": False,
     "use_memory_efficient_gradient": False, "pipeline_cut_info_string": "",
 }
+
+
+def _strategy(value: Any) -> CastStrategy:
+    """PropagateCastOpsStrategy from a name ("FLOOD_FILL") or its bit value."""
+    try:
+        return CastStrategy[value.upper()] if isinstance(value, str) else CastStrategy(int(value))
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"TrainingParameters.propagate_cast_ops_strategy={value!r} is not one of "
+                         f"{[s.name for s in CastStrategy]}") from exc
 
 
 class TrainingParameters:
@@ -64,11 +92,22 @@ class TrainingParameters:
         self.model_with_training_graph_path = ""
         self.propagate_cast_ops_level = -1
         self.propagate_cast_ops_allow: list[str] = []
+        self.attn_dropout_recompute = False
+        self.gelu_recompute = False
+        self.transformer_layer_recompute = False
+        self.number_recompute_layers = 0
+        self.use_mixed_precision = False
+        self.loss_scale = 0.0
         self.sliced_schema: dict[str, list[int]] = {}
         self.sliced_axes: dict[str, int] = {}
         self.sliced_tensor_names: list[str] = []
         # gradgraph extensions
         self.max_grad_norm = DEFAULT_MAX_GRAD_NORM
+        self.propagate_cast_ops_strategy = "FLOOD_FILL"
+        self.mixed_precision_dtype = "float16"
+        self.model_with_training_graph_after_optimization_path = ""
+        # Recompute planner: bytes of activations kept for the backward (None: planner off).
+        self.recompute_memory_budget: int | None = None
         self.param_groups: tuple[ParamGroup, ...] = ()
         self.optimizer_initial_state: dict[str, dict[str, np.ndarray]] = {}
         for name, off in _UNSUPPORTED.items():
@@ -93,8 +132,10 @@ class TrainingParameters:
                 raise NotImplementedError(
                     f"TrainingParameters.{name}={getattr(self, name)!r} is not supported by "
                     f"gradgraph yet (leave it at {off!r}); "
-                    + ("mixed precision training does not exist yet" if "mixed" in name or "fp16" in name
-                       or "loss_scale" in name else "only single-process training is implemented"))
+                    + ("fp16 optimizer moments are not implemented (moments stay fp32)"
+                       if "fp16" in name else "the memory-efficient LayerNorm gradient is not "
+                       "implemented" if "memory_efficient" in name
+                       else "only single-process training is implemented"))
 
     def _optimizer(self) -> tuple[Any, tuple[ParamGroup, ...]]:
         name = self.training_optimizer_name or "AdamOptimizer"
@@ -139,14 +180,54 @@ class TrainingParameters:
         optimizer, groups = self._optimizer()
         # The reference clips for Adam and LAMB only.
         clip = self.enable_grad_norm_clip and optimizer.name != "sgd"
-        return TrainingConfig(
-            loss=self.loss_output_name,
-            optimizer=optimizer,
-            weights_to_train=tuple(sorted(self.weights_to_train)) or None,
-            weights_not_to_train=tuple(sorted(self.weights_not_to_train)),
+        update = UpdateOptions(
             groups=groups,
             accumulation_steps=int(self.gradient_accumulation_steps),
             max_grad_norm=float(self.max_grad_norm) if clip else None,
             keep_gradient_outputs=bool(self.set_gradients_as_graph_outputs),
             names=TrainingNames(learning_rate=self.lr_params_feed_name),
         )
+        return TrainingConfig(
+            loss=self.loss_output_name,
+            optimizer=optimizer,
+            weights_to_train=tuple(sorted(self.weights_to_train)) or None,
+            weights_not_to_train=tuple(sorted(self.weights_not_to_train)),
+            update=update,
+            graph_transformer=GraphTransformerOptions(
+                propagate_cast_ops=CastPropagationConfig(
+                    _strategy(self.propagate_cast_ops_strategy), int(self.propagate_cast_ops_level),
+                    tuple(self.propagate_cast_ops_allow)),
+                recompute=self._recompute()),
+            mixed_precision=self._mixed_precision(),
+            debug=DebugOptions(GraphSavePaths(
+                str(self.model_after_graph_transforms_path or ""),
+                str(self.model_with_gradient_graph_path or ""),
+                str(self.model_with_training_graph_path or ""),
+                str(self.model_with_training_graph_after_optimization_path or ""))),
+        )
+
+    def _recompute(self) -> Any:
+        if not (self.gelu_recompute or self.attn_dropout_recompute or self.transformer_layer_recompute
+                or self.recompute_memory_budget is not None):
+            return None
+        from passes.recompute import RecomputeOptions
+
+        return RecomputeOptions(gelu=bool(self.gelu_recompute),
+                                attn_dropout=bool(self.attn_dropout_recompute),
+                                transformer_layers=bool(self.transformer_layer_recompute),
+                                number_recompute_layers=int(self.number_recompute_layers),
+                                memory_budget=self.recompute_memory_budget)
+
+    def _mixed_precision(self) -> MixedPrecisionConfig:
+        if not self.use_mixed_precision:
+            if self.loss_scale:
+                raise ValueError("TrainingParameters.loss_scale is set but use_mixed_precision is "
+                                 "False (a loss scale applies to mixed precision only)")
+            return MixedPrecisionConfig()
+        if self.loss_scale < 0:
+            raise ValueError(f"TrainingParameters.loss_scale must be >= 0 (0: dynamic), got "
+                             f"{self.loss_scale}")
+        scaler = LossScaleSettings()
+        if self.loss_scale > 0:
+            scaler = LossScaleSettings(init_scale=float(self.loss_scale), dynamic=False)
+        return MixedPrecisionConfig(dtype=self.mixed_precision_dtype, loss_scaler=scaler)

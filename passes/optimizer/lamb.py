@@ -20,7 +20,7 @@ import math
 from typing import ClassVar
 
 from passes.autodiff.builder import GradBuilder, Var
-from passes.optimizers.base import StepScalars, optimizer_rule
+from passes.optimizer.base import StepScalars, optimizer_rule
 
 
 @dataclasses.dataclass(frozen=True)

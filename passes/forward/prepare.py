@@ -21,10 +21,10 @@ from onnx_ir.passes import InPlacePass, PassError, PassResult, Sequential
 
 from passes.autodiff.errors import unwrap_pass_errors
 from passes.exports import ClassifyWeightsPass, RecoverParametersPass, TorchConventionsPass
-from passes.expose_dropout_mask import ExposeDropoutMaskPass
-from passes.expose_running_stats import ExposeRunningStatsPass
-from passes.fold_constants import FoldConstantsPass
-from passes.sequence_types import TypeSequenceOutputsPass
+from passes.forward.expose_dropout_mask import ExposeDropoutMaskPass
+from passes.forward.expose_running_stats import ExposeRunningStatsPass
+from passes.forward.fold_constants import FoldConstantsPass
+from passes.forward.sequence_types import TypeSequenceOutputsPass
 
 
 class PrepareForGradientPass(InPlacePass):

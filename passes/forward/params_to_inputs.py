@@ -2,7 +2,8 @@
 
 1. each named initializer is removed from the initializers and appended to the graph inputs,
    keeping its type and shape; its value is recorded in ``self.values`` (numpy) and dropped;
-2. names that are not initializers are left alone (they may already be inputs).
+2. names that are not initializers are left alone (they may already be inputs);
+3. ``names=None``: the initializers marked held (``gradgraph.held``, see passes.marks).
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from passes.marks import HELD_KEY
+
 
 class ParamsToInputsPass(InPlacePass):
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str] | None = None) -> None:
         super().__init__()
-        self.names = list(names)
+        self.names = None if names is None else list(names)
         self.values: dict[str, np.ndarray] = {}
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
         modified = False
-        for name in self.names:
+        names = self.names
+        if names is None:
+            names = [n for n, v in graph.initializers.items() if HELD_KEY in v.metadata_props]
+        for name in names:
             value = graph.initializers.get(name)
             if value is None:
                 continue

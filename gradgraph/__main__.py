@@ -1,0 +1,5 @@
+"""``python -m gradgraph``: the ``gradgraph`` command."""
+
+from gradgraph.cli.main import main
+
+raise SystemExit(main())

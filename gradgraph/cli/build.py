@@ -1,0 +1,139 @@
+"""``gradgraph build``: run the training pipeline offline, saving every stage and a summary."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from gradgraph.cli.common import add_list_weights, list_weights, main_for, weights_arg
+from gradgraph.feeds import InputError
+
+DESCRIPTION = """\
+Run the training build (forward clean-up -> graph transforms -> gradient -> recompute ->
+training graph) on MODEL and write each stage's model to --save-stages DIR as
+NN_<stage>.onnx, plus DIR/summary.txt: per stage the nodes added and removed by op type, and
+the activations the backward keeps from the forward, with their bytes (--dim sizes symbolic
+dimensions, e.g. --dim batch=8 --dim sequence=128).
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("build", help="run the training pipeline, saving every stage",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="forward ONNX model whose graph outputs the loss")
+    p.add_argument("--loss", required=True, help="name of the loss output")
+    p.add_argument("--save-stages", metavar="DIR", help="directory for the stages and summary.txt "
+                   "(required unless --list-weights)")
+    add_list_weights(p)
+    p.add_argument("--weights", nargs="*", help="names to train (default: the model's parameters)")
+    p.add_argument("--freeze", nargs="*", default=[], metavar="NAME", help="weights not to train")
+    p.add_argument("--reduce", choices=["sum", "mean"], default=None,
+                   help="reduce a non-scalar loss (default: refuse one)")
+    p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw", "lamb"])
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--clip", type=float, default=None, help="global gradient-norm clipping")
+    p.add_argument("--cleanup", action="store_true",
+                   help="run the clean-up passes (dead code, CSE, folding, identities)")
+    p.add_argument("--recompute", nargs="*", default=[], metavar="PATTERN",
+                   choices=["gelu", "attn_dropout", "transformer_layers"],
+                   help="recompute patterns (the reference's gelu_recompute, "
+                        "attn_dropout_recompute, transformer_layer_recompute)")
+    p.add_argument("--recompute-layers", type=int, default=0,
+                   help="number_recompute_layers (0: all layers but the last)")
+    p.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
+                   help="recompute planner: bytes of activations the backward may keep")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
+                   help="a value for a symbolic dimension, to size tensors (repeatable)")
+    p.add_argument("--cast-level", type=int, default=-1,
+                   help="propagate_cast_ops level 0/1/2 (default -1: off)")
+    p.add_argument("--cast-strategy", default="FLOOD_FILL",
+                   choices=["NONE", "INSERT_AND_REDUCE", "FLOOD_FILL"])
+    p.add_argument("--cast-allow", nargs="*", default=[], metavar="OP",
+                   help="propagate_cast_ops allow list (op types)")
+    p.add_argument("--mixed-precision", choices=["float16", "bfloat16"], default=None,
+                   help="fp16/bf16 compute with fp32 master weights")
+    p.set_defaults(func=run)
+    return p
+
+
+def _dims(values: list[str]) -> dict[str, int]:
+    dims = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value.isdigit() or int(value) < 1:
+            raise InputError(f"--dim {item!r}: expected NAME=VALUE with a positive integer VALUE")
+        dims[name] = int(value)
+    return dims
+
+
+def config_from_args(args: argparse.Namespace) -> object:
+    """The TrainingConfig the options describe (option errors are InputErrors naming the flag)."""
+    from gradgraph.training import options as opts
+    from passes.optimizer import config_type
+    from passes.optimizer.optimizer_pass import UpdateOptions
+
+    dims = _dims(args.dim)
+    recompute = None
+    if args.recompute or args.memory_budget is not None:
+        from passes.recompute import RecomputeOptions
+
+        try:
+            recompute = RecomputeOptions(
+                gelu="gelu" in args.recompute, attn_dropout="attn_dropout" in args.recompute,
+                transformer_layers="transformer_layers" in args.recompute,
+                number_recompute_layers=args.recompute_layers, memory_budget=args.memory_budget,
+                dims=tuple(sorted(dims.items())))
+        except ValueError as exc:
+            raise InputError(f"recompute options: {exc}") from exc
+    try:
+        weights = weights_arg(args.weights)
+        return opts.TrainingConfig(
+            args.loss, config_type(args.optimizer)(),
+            weights_to_train=None if weights is None else tuple(weights),
+            weights_not_to_train=tuple(args.freeze), loss_reduction=args.reduce,
+            update=UpdateOptions(accumulation_steps=args.accumulate, max_grad_norm=args.clip),
+            graph_transformer=opts.GraphTransformerOptions(
+                cleanup=args.cleanup, recompute=recompute,
+                propagate_cast_ops=opts.CastPropagationConfig(
+                    opts.CastStrategy[args.cast_strategy], args.cast_level, tuple(args.cast_allow))),
+            mixed_precision=opts.MixedPrecisionConfig(dtype=args.mixed_precision))
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradgraph.io import atomic_write_bytes
+    from gradgraph.training.build import build_training_artifacts
+    from gradgraph.training.summary import summary_text
+
+    if args.list_weights:
+        return list_weights(args)
+    if not args.save_stages:
+        raise InputError("--save-stages DIR is required (unless --list-weights)")
+    config = config_from_args(args)
+    out = Path(args.save_stages)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--save-stages {str(out)!r} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    config = dataclasses.replace(config, debug=dataclasses.replace(  # type: ignore[type-var]
+        config.debug, save_stages=str(out)))  # type: ignore[attr-defined]
+    artifacts = build_training_artifacts(args.model, config)  # type: ignore[arg-type]
+    text = summary_text(artifacts, _dims(args.dim))
+    atomic_write_bytes(out / "summary.txt", text.encode())
+    sys.stdout.write(text)
+    stages = sorted(p.name for p in out.glob("*.onnx"))
+    print(f"wrote {len(stages)} stage models and summary.txt to {out}/ "
+          f"(built in {time.perf_counter() - start:.2f} s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_for(add_parser, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

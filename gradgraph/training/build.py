@@ -1,0 +1,322 @@
+"""The training build: a declared pipeline of passes from a forward model to training graphs.
+
+``training_pipeline(config)`` declares the stages (each an onnx_ir pass list, each stage's
+model savable; see :mod:`gradgraph.pipeline`):
+
+1. ``forward``: forward clean-up (inline, recover torch parameters, classify weights, fold,
+   expose dropout masks and running statistics, reduce a non-scalar loss);
+2. ``graph_transforms``: clean-up, cast propagation, mixed precision (those enabled);
+   saved at ``debug.graph_save_paths.model_after_graph_transforms_path``;
+3. ``gradient``: the loss scale (fp16), the gradient graph, then the trained set: gradient
+   outputs of weights not trained are dropped;
+4. ``recompute``: recompute under the configured patterns / memory budget; saved at
+   ``model_with_gradient_graph_path``;
+5. ``training``: held tensors become inputs, the optimizer is added; saved at
+   ``model_with_training_graph_path``. onnxruntime's own optimized graph is the session's
+   fifth file (``model_with_training_graph_after_optimization_path``).
+
+Stages find what earlier ones made through the IR (:mod:`passes.marks`): gradient outputs by
+their ``gradient_of`` mark, roles of nodes by their stage mark.
+
+``build_training_artifacts(model, config)`` returns the ``train`` graph (forward + gradient +
+(accumulation) + clipping + optimizer; every held tensor ``X`` is a graph input with an output
+``X.out`` where it changes), the ``accumulate`` graph (only with ``accumulation_steps > 1``:
+the training stage without the update) and the ``eval`` graph (the transformed forward graph,
+Dropout off and BatchNormalization in inference mode, weights as inputs).
+
+``inference_model(artifacts, weights)`` bakes given weights back into the eval graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common
+from onnx_ir.passes import InPlacePass, PassBase, PassResult
+
+from gradgraph.io import load_model
+from gradgraph.pipeline import Pipeline, Stage, StageReport
+from gradgraph.training.options import TrainingConfig
+from gradgraph.validate import check_names, unknown_names
+from passes.autodiff import GradientError, GradientOptions
+from passes.autodiff.gradient_pass import GradientPass
+from passes.exports import KIND_KEY, WeightKind
+from passes.forward.eval_mode import EvalModePass
+from passes.forward.expose_running_stats import ExposeRunningStatsPass
+from passes.forward.params_to_inputs import ParamsToInputsPass
+from passes.forward.prepare import PrepareForGradientPass
+from passes.forward.reduce_loss import ReduceLossPass
+from passes.marks import HELD_KEY, gradient_outputs
+from passes.optimizer import resolve
+from passes.optimizer.loss_scale import LossScalePass
+from passes.optimizer.optimizer_pass import OptimizerPass
+
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+# Where each reference graph_save_path is written: after this stage.
+SAVE_PATH_STAGES = {
+    "model_after_graph_transforms_path": "graph_transforms",
+    "model_with_gradient_graph_path": "recompute",
+    "model_with_training_graph_path": "training",
+}
+
+
+@dataclasses.dataclass
+class TrainingArtifacts:
+    train: onnx.ModelProto
+    accumulate: onnx.ModelProto | None
+    eval: onnx.ModelProto
+    config: TrainingConfig
+    trained: list[str]
+    frozen: list[str]
+    buffers: list[str]
+    initial: dict[str, np.ndarray]
+    optimizer_state: dict[str, tuple[str, ...]]
+    feeds: list[str]
+    outputs: list[str]
+    # What each stage changed, in order (for summaries).
+    reports: list[StageReport] = dataclasses.field(default_factory=list)
+    # The model after the recompute stage (forward + backward), for activation analyses.
+    gradient: onnx.ModelProto | None = None
+
+    @property
+    def params(self) -> list[str]:
+        """Every held model tensor: trained, frozen and running statistics."""
+        return self.trained + self.frozen + self.buffers
+
+
+class TrainedSetPass(InPlacePass):
+    """Decide the held tensors from the gradient outputs and the weight marks.
+
+    1. trained: values with a gradient output, minus ``excluded`` and the running statistics
+       (a BatchNormalization input "reaches" the loss, but BatchNormalization updates it);
+       gradient outputs of the others are dropped;
+    2. frozen: float initializers that are neither trained, statistics nor exporter constants;
+    3. each is marked on its initializer (``gradgraph.held``); the lists are also kept on the
+       pass (``trained``, ``frozen``, ``buffers``).
+    """
+
+    def __init__(self, excluded: set[str], suffix: str) -> None:
+        super().__init__()
+        self.excluded, self.suffix = excluded, suffix
+        self.trained: list[str] = []
+        self.frozen: list[str] = []
+        self.buffers: list[str] = []
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        outputs = {v.name for v in graph.outputs}
+        self.buffers = sorted(name for name in graph.initializers if name + self.suffix in outputs
+                              and any(n.op_type == "BatchNormalization"
+                                      for n in _consumers(graph.initializers[name])))
+        gradients = gradient_outputs(graph)
+        self.trained = sorted(w for w in gradients if w not in self.excluded and w not in self.buffers)
+        if not self.trained:
+            raise GradientError("no weight is left to train (check weights_to_train / "
+                                "weights_not_to_train)")
+        modified = False
+        for w, grad in gradients.items():
+            if w not in self.trained:
+                graph.outputs.remove(grad)
+                modified = True
+        self.frozen = [name for name, v in graph.initializers.items() if v.dtype in _FLOATS
+                       and v.metadata_props.get(KIND_KEY) != WeightKind.CONSTANT.value
+                       and name not in self.trained and name not in self.buffers]
+        for kind, names in (("trained", self.trained), ("frozen", self.frozen),
+                            ("buffer", self.buffers)):
+            for name in names:
+                props = graph.initializers[name].metadata_props
+                modified = modified or props.get(HELD_KEY) != kind
+                props[HELD_KEY] = kind
+        common.RemoveUnusedNodesPass()(model)
+        return PassResult(model, modified)
+
+
+def _consumers(value: ir.Value) -> list[ir.Node]:
+    return [node for node, _ in value.uses()]
+
+
+class FinishPass(InPlacePass):
+    """Drop what no output needs and sort the nodes (the last pass of a runnable graph)."""
+
+    def call(self, model: ir.Model) -> PassResult:
+        removed = common.RemoveUnusedNodesPass()(model).modified
+        common.TopologicalSortPass()(model)
+        return PassResult(model, removed)
+
+
+def _graph_transforms(config: TrainingConfig) -> list[PassBase]:
+    gt, mp = config.graph_transformer, config.mixed_precision
+    passes: list[PassBase] = []
+    if gt.cleanup:
+        from passes.cleanup import CleanupPass
+
+        passes.append(CleanupPass())
+    if mp.dtype is not None:
+        from passes.precision import MixedPrecisionOptions, MixedPrecisionPass
+
+        passes.append(MixedPrecisionPass(MixedPrecisionOptions(dtype=mp.dtype)))
+    if gt.propagate_cast_ops.enabled:
+        from passes.precision import CastPropagationPass
+
+        cast = gt.propagate_cast_ops
+        passes.append(CastPropagationPass(int(cast.strategy), cast.level, tuple(cast.allow)))
+    return passes
+
+
+def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
+                      trained_set: TrainedSetPass, apply: bool = True) -> Pipeline:
+    """The declared stages of the training build (see the module docstring)."""
+    names, paths = config.names, config.debug.graph_save_paths
+    forward: list[PassBase] = [PrepareForGradientPass(strict_parameters=config.weights_to_train is None),
+                               ReduceLossPass(config.loss, config.loss_reduction),
+                               ExposeRunningStatsPass(names.out_suffix)]
+    gradient: list[PassBase] = []
+    loss = config.loss
+    if config.mixed_precision.scales_loss:
+        gradient.append(LossScalePass(config.loss, names.loss_scale, names.scaled_loss))
+        loss = names.scaled_loss
+    gradient += [GradientPass(loss, wanted, GradientOptions()), trained_set]
+    recompute: list[PassBase] = []
+    if config.graph_transformer.recompute is not None:
+        from passes.recompute import RecomputePass
+
+        recompute.append(RecomputePass(config.graph_transformer.recompute))
+    return Pipeline([
+        Stage("forward", forward),
+        Stage("graph_transforms", _graph_transforms(config), paths.model_after_graph_transforms_path),
+        Stage("gradient", gradient),
+        Stage("recompute", recompute, paths.model_with_gradient_graph_path),
+        training_stage(config, apply),
+    ])
+
+
+def training_stage(config: TrainingConfig, apply: bool) -> Stage:
+    """Held tensors become inputs; the optimizer (``apply``) or only accumulation is added."""
+    loss = _LossLookup(config.loss)
+    passes = [ParamsToInputsPass(), loss, _OptimizerFromIR(config, apply, loss), FinishPass()]
+    if apply:
+        return Stage("training", passes, config.debug.graph_save_paths.model_with_training_graph_path)
+    return Stage("accumulate", passes)
+
+
+class _LossLookup(InPlacePass):
+    """Finds the loss output (the optimizer checks it is finite)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.value: ir.Value | None = None
+
+    def call(self, model: ir.Model) -> PassResult:
+        self.value = next((v for v in model.graph.outputs if v.name == self.name), None)
+        return PassResult(model, False)
+
+
+class _OptimizerFromIR(InPlacePass):
+    """OptimizerPass over the gradient outputs the gradient stage marked."""
+
+    def __init__(self, config: TrainingConfig, apply: bool, loss: _LossLookup) -> None:
+        super().__init__()
+        self.config, self.apply, self.loss = config, apply, loss
+
+    def call(self, model: ir.Model) -> PassResult:
+        gradients = gradient_outputs(model.graph)
+        return OptimizerPass(self.config.optimizer_settings(), gradients, apply=self.apply,
+                             loss=self.loss.value)(model)
+
+
+def _check_config(config: TrainingConfig, model: ir.Model) -> list[str] | None:
+    check_names("weights_not_to_train", config.weights_not_to_train)
+    if config.weights_to_train is not None:
+        check_names("weights_to_train", config.weights_to_train)
+    known = set(model.graph.initializers) | {v.name for v in model.graph.inputs if v.name}
+    for what, listed in (("weights_not_to_train", config.weights_not_to_train),
+                         ("weights_to_train", config.weights_to_train or ())):
+        unknown_names(what, listed, known)
+    excluded = set(config.weights_not_to_train)
+    return None if config.weights_to_train is None else [
+        w for w in config.weights_to_train if w not in excluded]
+
+
+def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
+                             config: TrainingConfig, *,
+                             save_stages: str | os.PathLike | None = None) -> TrainingArtifacts:
+    """Build the training, accumulation and eval models (see the module docstring)."""
+    source = load_model(model)
+    wanted = _check_config(config, source)
+    save_dir = save_stages if save_stages is not None else config.debug.save_stages
+    trained_set = TrainedSetPass(set(config.weights_not_to_train), config.names.out_suffix)
+    pipeline = training_pipeline(config, wanted, trained_set)
+    kept: dict[str, onnx.ModelProto] = {}
+    feeds: list[str] = []
+    outputs: list[str] = []
+
+    def keep(stage: Stage, m: ir.Model) -> None:
+        if stage.name == "forward":
+            feeds.extend(v.name or "" for v in m.graph.inputs if not v.is_initializer())
+            state = {n + config.names.out_suffix for n in m.graph.initializers}
+            outputs.extend(v.name or "" for v in m.graph.outputs if v.name not in state)
+            if config.loss not in outputs:
+                raise GradientError(f"loss {config.loss!r} is not a graph output (outputs: {outputs})")
+        if stage.name in ("graph_transforms", "recompute"):
+            kept[stage.name] = ir.to_proto(m)
+
+    stages, training = pipeline.stages[:-1], pipeline.stages[-1]
+    front = Pipeline(stages)
+    front.run(source, save_dir=save_dir, on_stage=keep)
+    reports = list(front.reports)
+    params = trained_set.trained + trained_set.frozen + trained_set.buffers
+
+    def variant(stage: Stage, index: int) -> onnx.ModelProto:
+        run = Pipeline([stage])
+        result = run.run(ir.from_proto(kept["recompute"]), save_dir=save_dir, first_index=index)
+        reports.extend(run.reports)
+        return ir.to_proto(result)
+
+    train = variant(training, len(stages))
+    to_inputs = training.passes[0]
+    assert isinstance(to_inputs, ParamsToInputsPass)
+    accumulate = None
+    if config.update.accumulation_steps > 1:
+        accumulate = variant(training_stage(config, apply=False), len(stages) + 1)
+    eval_stage = Stage("eval", [EvalModePass(), ParamsToInputsPass(params), FinishPass()])
+    eval_run = Pipeline([eval_stage])
+    eval_model = ir.to_proto(eval_run.run(ir.from_proto(kept["graph_transforms"]), save_dir=save_dir,
+                                          first_index=len(stages) + 2))
+    states = {w: resolve(config.optimizer, config.update.groups, w)[0].state_names()
+              for w in trained_set.trained}
+    return TrainingArtifacts(train, accumulate, eval_model, config, trained_set.trained,
+                             trained_set.frozen, trained_set.buffers, to_inputs.values, states,
+                             feeds, outputs, reports, kept["recompute"])
+
+
+def inference_model(artifacts: TrainingArtifacts, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """The eval model with ``weights`` (all of ``artifacts.params``) as initializers again."""
+    model = onnx.ModelProto()
+    model.CopyFrom(artifacts.eval)
+    graph = model.graph
+    params = set(artifacts.params)
+    missing = sorted(params - set(weights))
+    if missing:
+        raise KeyError(f"inference_model needs values for {missing}")
+    kept = [i for i in graph.input if i.name not in params]
+    del graph.input[:]
+    graph.input.extend(kept)
+    for name in artifacts.params:
+        graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(weights[name]), name))
+    return model
+
+
+def save_path_of(config: TrainingConfig, stage: str) -> Path | None:
+    """Where ``stage``'s model is written by ``debug.graph_save_paths`` (None: nowhere)."""
+    paths = config.debug.graph_save_paths
+    for field, name in SAVE_PATH_STAGES.items():
+        if name == stage and getattr(paths, field):
+            return Path(getattr(paths, field))
+    return None

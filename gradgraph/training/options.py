@@ -1,0 +1,128 @@
+"""``TrainingConfig``: one options object for the training build, composed of per-pass groups.
+
+It mirrors ORTTrainerOptions' groups; each group is the options of the passes of one stage:
+
+- ``update`` (:class:`UpdateOptions`): accumulation, clipping, parameter groups, non-finite
+  steps, the state names: the optimizer stage, with the algorithm's config in ``optimizer``;
+- ``graph_transformer`` (:class:`GraphTransformerOptions`): the graph-transform stage
+  (clean-up, cast propagation) and recompute (:class:`passes.recompute.RecomputeOptions`);
+- ``mixed_precision`` (:class:`MixedPrecisionConfig`): fp16/bf16 compute with fp32 master
+  weights and a dynamic loss scaler;
+- ``debug`` (:class:`DebugOptions`): the reference's four ``graph_save_paths`` and a
+  directory that receives every stage's model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING, Any
+
+from passes.optimizer import AdamWConfig
+from passes.optimizer.optimizer_pass import LossScaleSettings, OptimizerSettings, UpdateOptions
+
+if TYPE_CHECKING:
+    from passes.recompute import RecomputeOptions
+
+
+class CastStrategy(enum.IntFlag):
+    """The reference's PropagateCastOpsStrategy (bit flags: 3 = both)."""
+
+    NONE = 0
+    INSERT_AND_REDUCE = 1
+    FLOOD_FILL = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class CastPropagationConfig:
+    """``propagate_cast_ops_config``: off when ``level < 0`` (the reference's default)."""
+
+    strategy: CastStrategy = CastStrategy.FLOOD_FILL
+    level: int = -1
+    allow: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return self.level >= 0 and self.strategy != CastStrategy.NONE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, CastStrategy):
+            raise ValueError(f"propagate_cast_ops strategy must be a CastStrategy "
+                             f"({[s.name for s in CastStrategy]}), not {self.strategy!r}")
+        if self.level > 2:
+            object.__setattr__(self, "level", 2)  # the reference treats levels above 2 as 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphTransformerOptions:
+    """Graph transforms before the gradient (clean-up, cast propagation) and recompute after it."""
+
+    # Dead code, common subexpressions, constant folding, identities (passes.cleanup).
+    cleanup: bool = False
+    propagate_cast_ops: CastPropagationConfig = CastPropagationConfig()
+    # None: no recompute.
+    recompute: RecomputeOptions | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionConfig:
+    """fp16/bf16 compute, fp32 master weights; ``dtype=None``: off (the default)."""
+
+    dtype: str | None = None
+    loss_scaler: LossScaleSettings = LossScaleSettings()
+    # bf16 has fp32's range: the reference scales fp16 losses only.
+    scale_bfloat16: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (None, "float16", "bfloat16"):
+            raise ValueError(f"mixed_precision.dtype must be 'float16', 'bfloat16' or None "
+                             f"(got {self.dtype!r})")
+
+    @property
+    def scales_loss(self) -> bool:
+        return self.dtype == "float16" or (self.dtype == "bfloat16" and self.scale_bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSavePaths:
+    """The reference's ``debug.graph_save_paths``; an empty path writes nothing."""
+
+    model_after_graph_transforms_path: str = ""
+    model_with_gradient_graph_path: str = ""
+    model_with_training_graph_path: str = ""
+    # Written by the session: onnxruntime's optimized graph (``optimized_model_filepath``).
+    model_with_training_graph_after_optimization_path: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugOptions:
+    graph_save_paths: GraphSavePaths = GraphSavePaths()
+    # Every stage's model as DIR/NN_<stage>.onnx, plus summary.txt.
+    save_stages: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    """What to train and how. ``weights_to_train=None``: the model's parameters (see
+    :func:`gradgraph.list_weights`)."""
+
+    loss: str
+    optimizer: Any = AdamWConfig()
+    weights_to_train: tuple[str, ...] | None = None
+    weights_not_to_train: tuple[str, ...] = ()
+    # A non-scalar loss is refused unless reduced: "sum" or "mean" of its elements.
+    loss_reduction: str | None = None
+    update: UpdateOptions = UpdateOptions()
+    graph_transformer: GraphTransformerOptions = GraphTransformerOptions()
+    mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
+    debug: DebugOptions = DebugOptions()
+
+    def optimizer_settings(self) -> OptimizerSettings:
+        update = self.update
+        if self.mixed_precision.scales_loss:
+            update = dataclasses.replace(update, loss_scale=self.mixed_precision.loss_scaler)
+        return OptimizerSettings(self.optimizer, update)
+
+    @property
+    def names(self) -> Any:
+        return self.update.names

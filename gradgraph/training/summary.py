@@ -1,0 +1,64 @@
+"""``summary.txt`` of a training build: what each stage changed, what the backward keeps.
+
+1. per stage: nodes added and removed, by op type;
+2. the activations the backward reads from the forward (``passes.recompute.analysis``), with
+   their bytes for the given dimension values: the memory recompute trades for compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import onnx
+import onnx_ir as ir
+from passes.recompute.analysis import stashed_values
+
+from gradgraph.training.build import TrainingArtifacts
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def stash_lines(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) -> list[str]:
+    """One line per stashed activation, largest first, and the total."""
+    stashes = stashed_values(ir.from_proto(model), dict(dims or {}))
+    known = [s for s in stashes if s.bytes is not None]
+    unknown = [s for s in stashes if s.bytes is None]
+    lines = []
+    for s in sorted(known, key=lambda s: -(s.bytes or 0)):
+        producer = s.producer.op_type if s.producer is not None else "input"
+        lines.append(f"  {s.value.name}  {producer}  {_shape(s.value)}  {_human(s.bytes or 0)}")
+    for s in unknown:
+        producer = s.producer.op_type if s.producer is not None else "input"
+        lines.append(f"  {s.value.name}  {producer}  {_shape(s.value)}  (size depends on a symbolic dim)")
+    total = sum(s.bytes or 0 for s in known)
+    head = f"activations kept for the backward: {len(stashes)} tensors, {_human(total)}"
+    if unknown:
+        head += f" (+{len(unknown)} of symbolic size; give --dim NAME=VALUE to size them)"
+    return [head] + lines
+
+
+def _shape(value: ir.Value) -> str:
+    if value.shape is None:
+        return "[?]"
+    return "[" + ",".join(str(d) for d in value.shape) + "]"
+
+
+def summary_text(artifacts: TrainingArtifacts, dims: Mapping[str, int] | None = None) -> str:
+    lines = ["gradgraph build summary", ""]
+    for index, report in enumerate(artifacts.reports):
+        state = "changed" if report.modified else "unchanged"
+        lines.append(f"{index:02d} {report.name} ({state}; {sum(report.after.values())} nodes): "
+                     f"{report.changes()}")
+    lines.append("")
+    if artifacts.gradient is not None:
+        lines += stash_lines(artifacts.gradient, dims)
+    lines.append("")
+    lines.append(f"trained {len(artifacts.trained)}, frozen {len(artifacts.frozen)}, "
+                 f"buffers {len(artifacts.buffers)}")
+    return "\n".join(lines) + "\n"
