@@ -55,6 +55,7 @@ from passes.autodiff import GradientError
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
 from passes.forward.prepare import PrepareForGradientPass
 from passes.forward.to_double import ToDoublePass
+from passes.marks import GRADIENT_OF_KEY
 
 _NP_OF = {1: np.float32, 10: np.float16, 11: np.float64, 16: np.float32, 6: np.int32, 7: np.int64,
           9: np.bool_, 2: np.uint8, 3: np.int8}
@@ -541,9 +542,11 @@ def gradcheck(
         grad_model = build_gradient_graph(forward, loss, weights)
     except PassError as exc:
         raise _unwrap_pass_error(exc, model_desc) from exc
-    forward_outputs = {o.name for o in forward.graph.output}
-    grad_names = [o.name for o in grad_model.graph.output if o.name not in forward_outputs]
-    trained = [n[: -len("_grad")] for n in grad_names]
+    # the gradient outputs, found by their mark (passes.marks), and the names they belong to
+    marked = [(o.name, p.value) for o in grad_model.graph.output for p in o.metadata_props
+              if p.key == GRADIENT_OF_KEY]
+    grad_names = [g for g, _ in marked]
+    trained = [w for _, w in marked]
     feeds = dict(inputs) if inputs is not None else random_inputs(forward, seed)
     try:
         grad_session = _session(grad_model)

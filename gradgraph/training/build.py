@@ -289,6 +289,7 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
     eval_run = Pipeline([eval_stage])
     eval_model = ir.to_proto(eval_run.run(ir.from_proto(kept["graph_transforms"]), save_dir=save_dir,
                                           first_index=len(stages) + 2))
+    reports.extend(eval_run.reports)
     states = {w: resolve(config.optimizer, config.update.groups, w)[0].state_names()
               for w in trained_set.trained}
     return TrainingArtifacts(train, accumulate, eval_model, config, trained_set.trained,
