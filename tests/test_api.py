@@ -202,3 +202,20 @@ def test_cli_reports_bad_feeds_without_traceback(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "wrong.npz" in err and "dimension 1 must be 16" in err
     assert "Traceback" not in err
+
+
+def test_gradient_name_already_taken_gets_a_free_one() -> None:
+    """A model that already has a value named ``w_grad``: the gradient output is ``w_grad_1``,
+    marked with the weight it belongs to; the graph stays valid."""
+    model = onnx.parser.parse_model('''<ir_version: 9, opset_import: ["" : 18]>
+g (float[2,3] x) => (float l, float[2,4] w_grad) <float[3,4] w = {1,2,3,4,5,6,7,8,9,10,11,12}> {
+ w_grad = MatMul(x, w)
+ z = Tanh(w_grad)
+ l = ReduceSum <keepdims=0> (z)
+}''')
+    grad = gradgraph.build_gradient_graph(model, "l", ["w"])
+    onnx.checker.check_model(grad, full_check=True)
+    names = [o.name for o in grad.graph.output]
+    assert names == ["l", "w_grad", "w_grad_1"]
+    marks = {p.value for p in grad.graph.output[2].metadata_props if p.key == "gradgraph.gradient_of"}
+    assert marks == {"w"}

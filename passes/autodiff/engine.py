@@ -318,7 +318,7 @@ class GradientBuilder:
         return b.ones_like(loss)
 
     def _expose(self, g: Var, w: ir.Value) -> ir.Value:
-        name = f"{w.name}{self.options.grad_suffix}"
+        name = self._free_name(f"{w.name}{self.options.grad_suffix}")
         value = g.value
         producer = value.producer()
         owned = self.b.owns(value)
@@ -332,6 +332,18 @@ class GradientBuilder:
         value.metadata_props[GRADIENT_OF_KEY] = w.name or ""
         self._exposed_names.add(name)
         return value
+
+
+    def _free_name(self, name: str) -> str:
+        """``name``, or ``name_1``, ``name_2`` ... when the model already has a value so named
+        (the output still carries the ``gradient_of`` mark that names its weight)."""
+        taken = set(self.values) | self._exposed_names
+        if name not in taken:
+            return name
+        k = 1
+        while f"{name}_{k}" in taken:
+            k += 1
+        return f"{name}_{k}"
 
 
 def build_gradient(model: ir.Model, loss: str, weights: Sequence[str] | None = None,
