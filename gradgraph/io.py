@@ -82,7 +82,25 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+# protobuf cannot serialize a message of 2 GiB or more: larger models keep weights beside them.
+PROTOBUF_LIMIT = 2**31 - 1
+
+
 def save_model(model: onnx.ModelProto | ir.Model, path: str | os.PathLike) -> None:
-    """Save a model atomically (one file, weights inline)."""
+    """Save a model atomically: one file with weights inline, or, for a model over protobuf's
+    2 GiB limit, ``path`` plus ``<path name>.data`` holding the weights (both renamed into
+    place once complete)."""
     proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
-    atomic_write_bytes(path, proto.SerializeToString())
+    if proto.ByteSize() < PROTOBUF_LIMIT:
+        atomic_write_bytes(path, proto.SerializeToString())
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data_name = target.name + ".data"
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmp:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)
+        onnx.save_model(copy, str(Path(tmp) / target.name), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+        os.replace(Path(tmp) / data_name, target.parent / data_name)
+        os.replace(Path(tmp) / target.name, target)

@@ -219,3 +219,23 @@ g (float[2,3] x) => (float l, float[2,4] w_grad) <float[3,4] w = {1,2,3,4,5,6,7,
     assert names == ["l", "w_grad", "w_grad_1"]
     marks = {p.value for p in grad.graph.output[2].metadata_props if p.key == "gradgraph.gradient_of"}
     assert marks == {"w"}
+
+
+def test_save_model_over_the_protobuf_limit_keeps_weights_beside(tmp_path, monkeypatch) -> None:
+    """Models over 2 GiB cannot be one protobuf: weights go to <name>.data, written atomically
+    (the limit is lowered here so that a small model takes that path)."""
+    import numpy as np
+
+    import gradgraph.io as gio
+
+    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", 1000)
+    weight = np.arange(2048, dtype=np.float32).reshape(32, 64)
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 32])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
+        [onnx.numpy_helper.from_array(weight, "w")]))
+    gio.save_model(model, tmp_path / "big.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "big.onnx.data"]
+    loaded = onnx.load(str(tmp_path / "big.onnx"))
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(loaded.graph.initializer[0]), weight)

@@ -7,6 +7,7 @@ users is ``DESCRIPTION`` (what ``gradgraph train -h`` prints).
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from gradgraph.cli.common import add_list_weights, list_weights, main_for
 from gradgraph.feeds import InputError, load_npz
+from gradgraph.io import atomic_write_bytes
 from gradgraph.training.schedules import KINDS, Schedule
 from passes.optimizer import config_type
 
@@ -184,10 +186,10 @@ def save_curve(losses: Sequence[float], path: Path) -> None:
     ax.set_ylabel("loss")
     ax.set_title("training loss")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
     plt.close(fig)
-    tmp.replace(path)
+    atomic_write_bytes(path, buffer.getvalue())  # a unique temp name, renamed over the old curve
 
 
 def run(args: argparse.Namespace) -> int:
