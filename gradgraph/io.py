@@ -12,13 +12,16 @@ import onnx
 import onnx_ir as ir
 from onnx import version_converter
 
+from gradgraph.model_check import check_model_proto
 from passes.autodiff import GradientError
 
 MIN_OPSET = 13
 
 
 def _upgrade(proto: onnx.ModelProto, source: str) -> onnx.ModelProto:
-    """Convert models below opset 13 (the oldest the rules target) with onnx's version converter."""
+    """Check the graph's structure, then convert models below opset 13 (the oldest the rules
+    target) with onnx's version converter."""
+    check_model_proto(proto, source)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
     if opset >= MIN_OPSET:
         return proto

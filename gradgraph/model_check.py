@@ -1,0 +1,116 @@
+"""Structural checks of a model proto before any pass sees it.
+
+A malformed graph must be refused with a clear error, not hang or crash deep in a pass:
+
+1. a value produced twice (two nodes, or a node and a graph input / initializer);
+2. a cycle among the nodes of the main graph (names the nodes on it);
+3. an initializer whose data does not hold ``prod(dims)`` elements (raw or typed fields);
+4. an initializer claiming more than :data:`MAX_ELEMENTS` elements.
+
+Subgraphs (If/Loop/Scan bodies) are checked for 1 and 3 too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx
+from onnx import TensorProto, helper
+
+from passes.autodiff import GradientError
+
+# Refuse tensors claiming more elements than this (2**34: 64 GiB of float32).
+MAX_ELEMENTS = 2**34
+
+_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data")
+
+
+def _label(node: onnx.NodeProto, index: int) -> str:
+    return f"{node.name!r} ({node.op_type})" if node.name else f"#{index} ({node.op_type})"
+
+
+def _tensor_problem(t: TensorProto) -> str | None:
+    if any(d < 0 for d in t.dims):
+        return f"has a negative dimension {list(t.dims)}"
+    n = math.prod(t.dims)
+    if n > MAX_ELEMENTS:
+        return f"claims {n:,} elements (over the {MAX_ELEMENTS:,} limit)"
+    if t.data_location == TensorProto.EXTERNAL or t.data_type in (TensorProto.STRING,
+                                                                   TensorProto.UNDEFINED):
+        return None
+    if t.HasField("raw_data"):
+        try:
+            itemsize = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        except (KeyError, TypeError):
+            return None
+        bits = {TensorProto.INT4, TensorProto.UINT4}
+        expected = (n + 1) // 2 if t.data_type in bits else n * itemsize
+        if len(t.raw_data) != expected:
+            return f"holds {len(t.raw_data)} bytes of data for dims {list(t.dims)} ({expected} expected)"
+        return None
+    present = [f for f in _TYPED_FIELDS if len(getattr(t, f))]
+    if present:
+        count = len(getattr(t, present[0]))
+        complex_ = t.data_type in (TensorProto.COMPLEX64, TensorProto.COMPLEX128)
+        if count != n * (2 if complex_ else 1) and not (n == 0 and count == 0):
+            return f"holds {count} values for dims {list(t.dims)} ({n} expected)"
+    return None
+
+
+def _check_graph(graph: onnx.GraphProto, source: str, top: bool) -> None:
+    produced: dict[str, str] = {}
+    for v in graph.input:
+        produced[v.name] = "a graph input"
+    for t in graph.initializer:
+        problem = _tensor_problem(t)
+        if problem:
+            raise GradientError(f"{source}: initializer {t.name!r} {problem}; the file is damaged "
+                                "or was written by a broken exporter")
+        produced.setdefault(t.name, "an initializer")
+    for index, node in enumerate(graph.node):
+        for out in node.output:
+            if not out:
+                continue
+            if out in produced and produced[out] != "an initializer":
+                raise GradientError(f"{source}: value {out!r} is produced twice (by node "
+                                    f"{_label(node, index)} and by {produced[out]}); an ONNX graph "
+                                    "assigns each value once")
+            if out in produced:
+                raise GradientError(f"{source}: node {_label(node, index)} writes {out!r}, "
+                                    "which is also an initializer")
+            produced[out] = f"node {_label(node, index)}"
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                _check_graph(sub, source, top=False)
+    if top:
+        _check_acyclic(graph, source)
+
+
+def _check_acyclic(graph: onnx.GraphProto, source: str) -> None:
+    """Kahn's algorithm over node dependencies; whatever is left sits on or behind a cycle."""
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
+    deps = [{producer[x] for x in node.input if x in producer} for node in graph.node]
+    users: list[list[int]] = [[] for _ in graph.node]
+    for i, ds in enumerate(deps):
+        for d in ds:
+            users[d].append(i)
+    pending = [len(ds) for ds in deps]
+    ready = [i for i, n in enumerate(pending) if n == 0]
+    done = 0
+    while ready:
+        i = ready.pop()
+        done += 1
+        for u in users[i]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                ready.append(u)
+    if done < len(graph.node):
+        stuck = [i for i, n in enumerate(pending) if n > 0]
+        shown = ", ".join(_label(graph.node[i], i) for i in stuck[:6])
+        raise GradientError(f"{source}: the graph has a cycle: {len(stuck)} nodes depend on "
+                            f"each other's outputs ({shown}{', ...' if len(stuck) > 6 else ''})")
+
+
+def check_model_proto(proto: onnx.ModelProto, source: str) -> None:
+    """Raise :class:`GradientError` naming ``source`` and the value/node for a malformed graph."""
+    _check_graph(proto.graph, source, top=True)
