@@ -88,3 +88,39 @@ def test_slice_with_computed_steps_gets_the_pad_gradient():
     sess = ort.InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"])
     (dw,) = sess.run(["w_grad"], {"x": x})
     np.testing.assert_allclose(dw, expected, rtol=1e-5)
+
+
+def test_huge_results_are_not_evaluated() -> None:
+    """ConstantOfShape / Expand / Tile / Range claiming huge results are left alone quickly,
+    never allocated (10**12 elements would need terabytes)."""
+    import time
+
+    model = ir.from_onnx_text('''<ir_version: 9, opset_import: ["" : 18]>
+g (float[2] x) => (float[?] a, float[?,?] b, int64[?] c) {
+ s = Constant <value_ints = [1000000, 1000000]> ()
+ z = ConstantOfShape (s)
+ one = Constant <value = float[1] {1.0}> ()
+ e = Expand (one, s)
+ start = Constant <value = int64 {0}> ()
+ limit = Constant <value = int64 {1000000000000}> ()
+ delta = Constant <value = int64 {1}> ()
+ c = Range (start, limit, delta)
+ a = Add (x, x)
+ b = Add (z, e)
+}''')
+    begin = time.perf_counter()
+    result = FoldConstantsPass()(model)
+    assert time.perf_counter() - begin < 5
+    assert not result.modified
+    assert {n.op_type for n in model.graph} >= {"ConstantOfShape", "Expand", "Range"}
+
+
+def test_value_ints_constants_fold() -> None:
+    model = ir.from_onnx_text('''<ir_version: 9, opset_import: ["" : 18]>
+g (float[2,3] x) => (float[6] y) {
+ s = Constant <value_ints = [6]> ()
+ t = Identity (s)
+ y = Reshape (x, t)
+}''')
+    assert FoldConstantsPass()(model).modified
+    assert [n.op_type for n in model.graph] == ["Constant", "Reshape"]

@@ -7,6 +7,9 @@ arguments as constants and choose cheaper gradients.
 1. A deterministic default-domain node without subgraphs, with one output, whose every
    input is produced by a ``Constant`` node, is evaluated with onnx's reference evaluator;
    if the result has at most ``max_elements`` elements it is replaced by a ``Constant``.
+   Ops whose result can dwarf their inputs (ConstantOfShape, Expand, Tile, Range) are
+   sized from their inputs first and not run when over the limit. ``Constant`` nodes with
+   ``value_int(s)`` / ``value_float(s)`` count as constants too.
 2. Initializers are never folded into: they may be trained, so they are not constants here.
 3. Constant nodes that fed only folded nodes are removed (nothing reads them any more).
 4. Everything else is left alone; a node the evaluator cannot run is kept as it is.
@@ -41,9 +44,31 @@ def _constant_of(value: ir.Value | None) -> np.ndarray | None:
     if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
         return None
     attr = producer.attributes.get("value")
-    if attr is None or attr.type != ir.AttributeType.TENSOR:
+    if attr is not None and attr.type == ir.AttributeType.TENSOR:
+        return attr.value.numpy()
+    for name, dtype in (("value_int", np.int64), ("value_ints", np.int64),
+                        ("value_float", np.float32), ("value_floats", np.float32)):
+        other = producer.attributes.get(name)
+        if other is not None:
+            return np.asarray(other.value, dtype=dtype)
+    return None
+
+
+def _predicted_elements(node: ir.Node, arrays: list[np.ndarray | None]) -> int | None:
+    """The result size of ops whose output can dwarf their inputs, known before running them."""
+    try:
+        if node.op_type == "ConstantOfShape" and arrays[0] is not None:
+            return int(np.prod(arrays[0].astype(np.int64)))
+        if node.op_type == "Expand" and arrays[0] is not None and arrays[1] is not None:
+            return int(np.prod(np.broadcast_shapes(arrays[0].shape, tuple(arrays[1].astype(np.int64)))))
+        if node.op_type == "Tile" and arrays[0] is not None and arrays[1] is not None:
+            return int(arrays[0].size * np.prod(arrays[1].astype(np.int64)))
+        if node.op_type == "Range" and all(a is not None for a in arrays[:3]):
+            start, limit, delta = (float(np.asarray(a).reshape(-1)[0]) for a in arrays[:3])  # type: ignore[union-attr]
+            return int(max(np.ceil((limit - start) / delta), 0)) if delta else None
+    except (ValueError, OverflowError, TypeError):
         return None
-    return attr.value.numpy()
+    return 0
 
 
 def _foldable(node: ir.Node) -> bool:
@@ -68,6 +93,9 @@ class FoldConstantsPass(InPlacePass):
             arrays = [_constant_of(v) for v in node.inputs]
             if any(a is None and v is not None for a, v in zip(arrays, node.inputs)):
                 continue
+            predicted = _predicted_elements(node, arrays)
+            if predicted is None or predicted > self.options.max_elements:
+                continue  # never allocate a huge (or unknowable) result to find it is too big
             result = self._evaluate(node, arrays, opset)
             if result is None or result.size > self.options.max_elements:
                 continue
