@@ -35,6 +35,19 @@ def _upgrade(proto: onnx.ModelProto, source: str) -> onnx.ModelProto:
         ) from exc
 
 
+def _from_proto(proto: onnx.ModelProto, source: str) -> ir.Model:
+    try:
+        return ir.from_proto(_upgrade(proto, source))
+    except GradientError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - onnx_ir's deserializer raises several types
+        root: BaseException = exc
+        while root.__cause__ is not None:
+            root = root.__cause__
+        raise GradientError(f"{source} is not a valid ONNX model: {type(root).__name__}: "
+                            f"{str(root)[:300]}") from exc
+
+
 def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | Any) -> ir.Model:
     """An ``ir.Model`` from a ModelProto, an ``onnx_ir.Model`` or ``torch.onnx.ONNXProgram``
     (copied, never edited), serialized bytes or a file path.
@@ -46,15 +59,15 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
     if isinstance(program_model, ir.Model):
         model = program_model
     if isinstance(model, ir.Model):  # passes edit in place: work on a copy
-        return ir.from_proto(_upgrade(ir.to_proto(model), "the model"))
+        return _from_proto(ir.to_proto(model), "the model")
     if isinstance(model, onnx.ModelProto):
-        return ir.from_proto(_upgrade(model, "the model"))
+        return _from_proto(model, "the model")
     if isinstance(model, bytes):
         try:
             proto = onnx.load_from_string(model)
         except Exception as exc:  # noqa: BLE001 - protobuf raises several types
             raise GradientError(f"the bytes given are not a serialized ONNX model ({exc})") from exc
-        return ir.from_proto(_upgrade(proto, "the model"))
+        return _from_proto(proto, "the model")
     path = Path(model)
     if not path.is_file():
         raise GradientError(f"model file {str(path)!r} does not exist")
@@ -66,7 +79,7 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
         ) from exc
     if not proto.graph.node and not proto.graph.output:
         raise GradientError(f"model file {str(path)!r} holds no graph (is it an ONNX model?)")
-    return ir.from_proto(_upgrade(proto, f"model file {str(path)!r}"))
+    return _from_proto(proto, f"model file {str(path)!r}")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -2,10 +2,12 @@
 
 A malformed graph must be refused with a clear error, not hang or crash deep in a pass:
 
-1. a value produced twice (two nodes, or a node and a graph input / initializer);
+1. a value produced twice (two nodes, or a node and a graph input / initializer), or read
+   by a node of the main graph without being produced;
 2. a cycle among the nodes of the main graph (names the nodes on it);
 3. an initializer whose data does not hold ``prod(dims)`` elements (raw or typed fields);
-4. an initializer claiming more than :data:`MAX_ELEMENTS` elements.
+4. an initializer claiming more than :data:`MAX_ELEMENTS` elements;
+5. a default-domain node whose op ONNX does not define.
 
 Subgraphs (If/Loop/Scan bodies) are checked for 1 and 3 too.
 """
@@ -82,7 +84,20 @@ def _check_graph(graph: onnx.GraphProto, source: str, top: bool) -> None:
         for attr in node.attribute:
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 _check_graph(sub, source, top=False)
+    for index, node in enumerate(graph.node):
+        texts = [node.op_type, node.domain, node.name, *node.input, *node.output]
+        if not all(isinstance(t, str) for t in texts):
+            raise GradientError(f"{source}: node #{index} has an op type or name that is not valid "
+                                "UTF-8 text; the file is damaged")
+        if node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type):
+            raise GradientError(f"{source}: node {_label(node, index)} uses op {node.op_type!r}, "
+                                "which ONNX does not define (a custom op needs its own domain)")
     if top:
+        for index, node in enumerate(graph.node):
+            missing = next((x for x in node.input if x and x not in produced), None)
+            if missing is not None:
+                raise GradientError(f"{source}: node {_label(node, index)} reads {missing!r}, which "
+                                    "no node, graph input or initializer provides")
         _check_acyclic(graph, source)
 
 

@@ -45,8 +45,10 @@ def unwrap_pass_errors(error: BaseException) -> BaseException:
     """The GradientError inside onnx_ir's PassError wrapping (Sequential wraps what passes
     raise), or ``error`` itself: a user error must reach the user as a GradientError."""
     cause: BaseException | None = error
-    while cause is not None:
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:  # a chain can loop back on itself
         if isinstance(cause, GradientError):
             return cause
+        seen.add(id(cause))
         cause = cause.__cause__
     return error
