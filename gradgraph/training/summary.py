@@ -11,9 +11,9 @@ from collections.abc import Mapping
 
 import onnx
 import onnx_ir as ir
-from passes.recompute.analysis import stashed_values
 
 from gradgraph.training.build import TrainingArtifacts
+from passes.recompute.analysis import stashed_values
 
 
 def _human(n: int) -> str:
@@ -27,16 +27,16 @@ def _human(n: int) -> str:
 def stash_lines(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) -> list[str]:
     """One line per stashed activation, largest first, and the total."""
     stashes = stashed_values(ir.from_proto(model), dict(dims or {}))
-    known = [s for s in stashes if s.bytes is not None]
-    unknown = [s for s in stashes if s.bytes is None]
+    known = [s for s in stashes if s.nbytes is not None]
+    unknown = [s for s in stashes if s.nbytes is None]
     lines = []
-    for s in sorted(known, key=lambda s: -(s.bytes or 0)):
-        producer = s.producer.op_type if s.producer is not None else "input"
-        lines.append(f"  {s.value.name}  {producer}  {_shape(s.value)}  {_human(s.bytes or 0)}")
+    for s in sorted(known, key=lambda s: -(s.nbytes or 0)):
+        producer = s.producer.op_type
+        lines.append(f"  {s.value.name}  {producer}  {_shape(s.value)}  {_human(s.nbytes or 0)}")
     for s in unknown:
-        producer = s.producer.op_type if s.producer is not None else "input"
+        producer = s.producer.op_type
         lines.append(f"  {s.value.name}  {producer}  {_shape(s.value)}  (size depends on a symbolic dim)")
-    total = sum(s.bytes or 0 for s in known)
+    total = sum(s.nbytes or 0 for s in known)
     head = f"activations kept for the backward: {len(stashes)} tensors, {_human(total)}"
     if unknown:
         head += f" (+{len(unknown)} of symbolic size; give --dim NAME=VALUE to size them)"

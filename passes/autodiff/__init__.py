@@ -1,8 +1,8 @@
 """Reverse-mode autodiff over ONNX graphs, emitting standard ONNX ops."""
 
 from passes.autodiff import rules  # noqa: F401  (registers every rule)
-from passes.autodiff.builder import GradBuilder, NodeView, Var
-from passes.autodiff.engine import GradientBuilder, GradientOptions, build_gradient
+from passes.autodiff.builder import NodeView, OpBuilder, Var
+from passes.autodiff.engine import GradientOptions, GradientSweep, build_gradient
 from passes.autodiff.errors import GradientError
 from passes.autodiff.registry import (
     GradRule,
@@ -13,9 +13,9 @@ from passes.autodiff.registry import (
 )
 
 __all__ = [
-    "GradBuilder",
+    "OpBuilder",
     "GradRule",
-    "GradientBuilder",
+    "GradientSweep",
     "GradientError",
     "GradientOptions",
     "NodeView",

@@ -71,7 +71,7 @@ class Var:
 
     __slots__ = ("value", "b")
 
-    def __init__(self, value: ir.Value, builder: GradBuilder) -> None:
+    def __init__(self, value: ir.Value, builder: OpBuilder) -> None:
         self.value = value
         self.b = builder
 
@@ -136,7 +136,7 @@ class Var:
 class NodeView:
     """Read-only view of a forward node for gradient rules."""
 
-    def __init__(self, node: ir.Node, builder: GradBuilder, needs: Sequence[bool],
+    def __init__(self, node: ir.Node, builder: OpBuilder, needs: Sequence[bool],
                  captured: Sequence[ir.Value] = ()) -> None:
         self.node = node
         self.b = builder
@@ -183,7 +183,7 @@ class NodeView:
         return self.b.const_value(self.inputs[index])
 
 
-class GradBuilder:
+class OpBuilder:
     """Appends nodes to a list; the engine inserts them into the graph."""
 
     def __init__(self, opset: int, opset_imports: dict[str, int] | None = None) -> None:

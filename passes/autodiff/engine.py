@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
-from passes.autodiff.builder import GradBuilder, NodeView, Var, shape_dims
+from passes.autodiff.builder import NodeView, OpBuilder, Var, shape_dims
 from passes.autodiff.errors import GradientError
 from passes.autodiff.registry import GradRule, lookup
 from passes.marks import GRAD_OF_KEY, GRADIENT_OF_KEY, STAGE_KEY, Role
@@ -94,7 +94,7 @@ def _describe(value: ir.Value) -> str:
     return value.name or "<unnamed>"
 
 
-class GradientBuilder:
+class GradientSweep:
     """Builds the gradient of ``loss`` w.r.t. ``weights`` inside ``model`` (in place)."""
 
     def __init__(self, model: ir.Model, loss: str, weights: Sequence[str] | None,
@@ -114,7 +114,7 @@ class GradientBuilder:
         self.weights = self._find_weights(weights)
         self._all_initializers = weights is None
         self.opset_imports = dict(model.opset_imports)
-        self.b = GradBuilder(self.opset, self.opset_imports)
+        self.b = OpBuilder(self.opset, self.opset_imports)
         self._exposed_names: set[str] = set()
         self._rules = {id(n): lookup(n.domain, n.op_type, self._opset_of(n)) for n in self.graph}
 
@@ -349,10 +349,10 @@ class GradientBuilder:
 def build_gradient(model: ir.Model, loss: str, weights: Sequence[str] | None = None,
                    options: GradientOptions | None = None) -> dict[str, ir.Value]:
     """Add the gradient of ``loss`` w.r.t. ``weights`` to ``model`` in place."""
-    return GradientBuilder(model, loss, weights, options).build()
+    return GradientSweep(model, loss, weights, options).build()
 
 
-class GraphGradient(GradientBuilder):
+class GraphGradient(GradientSweep):
     """Vector-Jacobian product of a graph's values: the hook for rules of ops with subgraphs.
 
     ``seeds`` pairs values of ``graph`` with their incoming gradients (``Var`` of ``builder``,
@@ -361,7 +361,7 @@ class GraphGradient(GradientBuilder):
     """
 
     def __init__(self, graph: ir.Graph, seeds: Sequence[tuple[ir.Value, Var | None]],
-                 wrt: Sequence[ir.Value], builder: GradBuilder) -> None:
+                 wrt: Sequence[ir.Value], builder: OpBuilder) -> None:
         self.graph = graph
         self.options = GradientOptions(allow_unused=True)
         self.opset = builder.opset

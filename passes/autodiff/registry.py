@@ -2,7 +2,7 @@
 
 A rule is a function ``rule(b, node, grads) -> list[grad | None]``:
 
-- ``b`` is the :class:`~passes.autodiff.builder.GradBuilder` (methods mirror ONNX ops),
+- ``b`` is the :class:`~passes.autodiff.builder.OpBuilder` (methods mirror ONNX ops),
 - ``node`` a :class:`~passes.autodiff.builder.NodeView` of the forward node,
 - ``grads`` the gradient of each forward output (``None`` where none flows back).
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from passes.autodiff.builder import GradBuilder, Var
+from passes.autodiff.builder import OpBuilder, Var
 from passes.optimizer.base import StepScalars, optimizer_rule
 
 
@@ -51,7 +51,7 @@ class AdamWConfig(AdamConfig):
         return True
 
 
-def adam_update(b: GradBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[str, Var],
+def adam_update(b: OpBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[str, Var],
                 sc: StepScalars, lr_scale: float) -> tuple[Var, dict[str, Var]]:
     dt = w.known_dtype
     lr64 = sc.lr64(lr_scale)

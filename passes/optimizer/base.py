@@ -1,7 +1,7 @@
 """Shared pieces of the optimizer rules: the rule registry, parameter groups and step scalars.
 
 An optimizer rule is one function ``update(b, config, w, g, state, scalars, lr)`` that
-appends the update of one weight to the builder ``b`` (a ``GradBuilder``) and returns
+appends the update of one weight to the builder ``b`` (a ``OpBuilder``) and returns
 ``(new_weight, {state name: new value})``. Scalars that depend only on the step
 (bias corrections) are computed once per graph in float64 and cast to each weight's dtype.
 """
@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import onnx_ir as ir
 
-from passes.autodiff.builder import GradBuilder, Var
+from passes.autodiff.builder import OpBuilder, Var
 
 F64 = ir.DataType.DOUBLE
 
@@ -92,7 +92,7 @@ class StepScalars:
     1-based step that torch.optim uses for bias correction.
     """
 
-    def __init__(self, b: GradBuilder, lr: Var, step: Var) -> None:
+    def __init__(self, b: OpBuilder, lr: Var, step: Var) -> None:
         self.b = b
         self.lr = lr
         self.step = step

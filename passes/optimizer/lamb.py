@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import ClassVar
 
-from passes.autodiff.builder import GradBuilder, Var
+from passes.autodiff.builder import OpBuilder, Var
 from passes.optimizer.base import StepScalars, optimizer_rule
 
 
@@ -44,12 +44,12 @@ class LambConfig:
         return ("exp_avg", "exp_avg_sq")
 
 
-def _norm(b: GradBuilder, x: Var) -> Var:
+def _norm(b: OpBuilder, x: Var) -> Var:
     return b.Sqrt(b.reduce("ReduceSumSquare", x, None, keepdims=0))
 
 
 @optimizer_rule(LambConfig)
-def lamb_update(b: GradBuilder, cfg: LambConfig, w: Var, g: Var, state: dict[str, Var],
+def lamb_update(b: OpBuilder, cfg: LambConfig, w: Var, g: Var, state: dict[str, Var],
                 sc: StepScalars, lr_scale: float) -> tuple[Var, dict[str, Var]]:
     dt = w.known_dtype
     m = state["exp_avg"] * cfg.beta1 + g * (1.0 - cfg.beta1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.autodiff.builder import GradBuilder
+from passes.autodiff.builder import OpBuilder
 from passes.marks import OUTPUT_KEY, STAGE_KEY, OutputRole, Role
 
 
@@ -31,7 +31,7 @@ class LossScalePass(InPlacePass):
         if loss is None:
             raise ValueError(f"loss {self.loss!r} is not a graph output")
         opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 13)
-        b = GradBuilder(opset, dict(model.opset_imports))
+        b = OpBuilder(opset, dict(model.opset_imports))
         b.prefix = "loss_scale"
         b.marks = {STAGE_KEY: Role.OPTIMIZER.value}
         scale = ir.Value(name=self.scale, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))

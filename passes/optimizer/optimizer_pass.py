@@ -38,7 +38,7 @@ from typing import Any
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.autodiff.builder import GradBuilder, Var
+from passes.autodiff.builder import OpBuilder, Var
 from passes.marks import OUTPUT_KEY, STAGE_KEY, OutputRole, Role
 from passes.optimizer import ParamGroup, StepScalars, resolve, rule_for
 
@@ -149,7 +149,7 @@ class OptimizerPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
         opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 13)
-        b = GradBuilder(opset, dict(model.opset_imports))
+        b = OpBuilder(opset, dict(model.opset_imports))
         b.prefix = "optimizer"
         b.marks = {STAGE_KEY: Role.OPTIMIZER.value}
         s = self.settings.update
@@ -242,7 +242,7 @@ class OptimizerPass(InPlacePass):
         graph.outputs.extend(outputs)
         return PassResult(model, True)
 
-    def _unscale(self, b: GradBuilder, graph: ir.Graph, grads: dict[str, Var], add_input: Any,
+    def _unscale(self, b: OpBuilder, graph: ir.Graph, grads: dict[str, Var], add_input: Any,
                  add_output: Any) -> Var:
         """Divide the gradients by the ``loss_scale`` input; returns ``all_gradients_finite``."""
         names = self.settings.update.names
@@ -261,7 +261,7 @@ class OptimizerPass(InPlacePass):
                    OutputRole.ALL_GRADIENTS_FINITE)
         return finite
 
-    def _update_scale(self, b: GradBuilder, finite: Var, add_output: Any) -> None:
+    def _update_scale(self, b: OpBuilder, finite: Var, add_output: Any) -> None:
         """The dynamic loss scaler's step (see :class:`LossScaleSettings`)."""
         s = self.settings.update
         cfg, names = s.loss_scale, s.names
@@ -278,7 +278,7 @@ class OptimizerPass(InPlacePass):
         add_output(new_scale, names.out(names.loss_scale), None, f32)
         add_output(stable, names.out(names.stable_steps), None, ir.DataType.INT64)
 
-    def _clip(self, b: GradBuilder, grads: dict[str, Var], add_output: Any) -> None:
+    def _clip(self, b: OpBuilder, grads: dict[str, Var], add_output: Any) -> None:
         s = self.settings.update
         f32 = ir.DataType.FLOAT
         squares = [b.cast_to(b.reduce("ReduceSumSquare", g, None, keepdims=0), f32)
@@ -290,7 +290,7 @@ class OptimizerPass(InPlacePass):
         add_output(total, s.names.grad_norm, role=OutputRole.GRAD_NORM)
 
 
-def _all_finite(b: GradBuilder, values: list[Var]) -> Var:
+def _all_finite(b: OpBuilder, values: list[Var]) -> Var:
     """Bool scalar: every element of every value is finite.
 
     ``x * 0`` is 0 for finite x and NaN for NaN/inf, so the sum of those products is 0 or NaN

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from passes.autodiff.builder import GradBuilder, Var
+from passes.autodiff.builder import OpBuilder, Var
 from passes.optimizer.base import StepScalars, optimizer_rule
 
 
@@ -36,7 +36,7 @@ class SGDConfig:
 
 
 @optimizer_rule(SGDConfig)
-def sgd_update(b: GradBuilder, cfg: SGDConfig, w: Var, g: Var, state: dict[str, Var],
+def sgd_update(b: OpBuilder, cfg: SGDConfig, w: Var, g: Var, state: dict[str, Var],
                sc: StepScalars, lr_scale: float) -> tuple[Var, dict[str, Var]]:
     d = g + w * cfg.weight_decay if cfg.weight_decay else g
     new_state: dict[str, Var] = {}

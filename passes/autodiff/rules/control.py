@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from passes.autodiff.builder import GradBuilder, Var
+from passes.autodiff.builder import OpBuilder, Var
 from passes.autodiff.engine import GraphGradient
 from passes.autodiff.registry import grad_rule
 
@@ -44,12 +44,12 @@ def _check_outputs(body: ir.Graph) -> None:
                              "put an Identity inside the branch (onnxruntime requires it as well)")
 
 
-def _branch_gradient(b: GradBuilder, body: ir.Graph, out_grads: list[Var | None],
+def _branch_gradient(b: OpBuilder, body: ir.Graph, out_grads: list[Var | None],
                      wanted: list[ir.Value], tag: str) -> ir.Graph:
     """A graph with no inputs whose outputs are d(loss)/d(wanted) through ``body``."""
     _check_outputs(body)
     clone = body.clone(allow_outer_scope_values=True)
-    sub = GradBuilder(b.opset, b.opset_imports)
+    sub = OpBuilder(b.opset, b.opset_imports)
     sub.prefix = "grad"
     seeds = [(out, None if g is None else sub.wrap(g.value))
              for out, g in zip(clone.outputs, out_grads)]

@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from passes.autodiff.builder import GradBuilder, Var
+from passes.autodiff.builder import OpBuilder, Var
 from passes.autodiff.registry import grad_rule
 from passes.autodiff.rules.recurrent_cells import (
     CELLS,
@@ -75,16 +75,16 @@ def _seq_length(x: Var, layout: int, op_type: str) -> int:
     return t
 
 
-def _scalar(b: GradBuilder, k: int) -> Var:
+def _scalar(b: OpBuilder, k: int) -> Var:
     return b.const(np.array(k, np.int64))
 
 
-def _zeros_state(b: GradBuilder, x: Var, hidden: int) -> Var:
+def _zeros_state(b: OpBuilder, x: Var, hidden: int) -> Var:
     shape = b.Concat(b.dim(x, 1), [hidden], axis=0)
     return b.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, x.known_dtype.numpy())))
 
 
-def _params(b: GradBuilder, n, cell: Cell, d: int, hidden: int) -> DirectionParams:
+def _params(b: OpBuilder, n, cell: Cell, d: int, hidden: int) -> DirectionParams:
     """Direction ``d``'s weights, biases and peepholes."""
     k = _scalar(b, d)
     gh = cell.gates * hidden
@@ -100,7 +100,7 @@ def _params(b: GradBuilder, n, cell: Cell, d: int, hidden: int) -> DirectionPara
     return params
 
 
-def _initial(b: GradBuilder, state: Var | None, x: Var, d: int, hidden: int) -> Var:
+def _initial(b: OpBuilder, state: Var | None, x: Var, d: int, hidden: int) -> Var:
     return _zeros_state(b, x, hidden) if state is None else b.Gather(state, _scalar(b, d), axis=0)
 
 
@@ -148,13 +148,13 @@ def _backward(b, cell: Cell, p: DirectionParams, steps: list[Step], gy: Var | No
     return DirectionGrads(grads, dh, dc)
 
 
-def _stack(b: GradBuilder, parts: list[Var]) -> Var:
+def _stack(b: OpBuilder, parts: list[Var]) -> Var:
     """Stack per-direction tensors on a new axis 0."""
     parts = [b.Unsqueeze(v, [0]) for v in parts]
     return parts[0] if len(parts) == 1 else b.Concat(*parts, axis=0)
 
 
-def _sum_rows(b: GradBuilder, v: Var) -> Var:
+def _sum_rows(b: OpBuilder, v: Var) -> Var:
     return b.ReduceSum(v, [0], keepdims=0)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from passes.autodiff.builder import GradBuilder, Var
+from passes.autodiff.builder import OpBuilder, Var
 
 LSTM_GATES = 4  # i, o, f, c
 GRU_GATES = 3  # z, r, h
@@ -50,7 +50,7 @@ class StepGrad:
     d_peep: Var | None = None  # [B, 3H] (i, o, f)
 
 
-def activate(b: GradBuilder, op: str, pre: Var, p: DirectionParams) -> tuple[Var, Var | None]:
+def activate(b: OpBuilder, op: str, pre: Var, p: DirectionParams) -> tuple[Var, Var | None]:
     """``op(clip(pre))`` and the 0/1 mask where the clip lets the gradient through."""
     if p.clip is None:
         return b.op(op, pre), None
@@ -68,12 +68,12 @@ def d_tanh(dy: Var, y: Var, mask: Var | None) -> Var:
     return d if mask is None else d * mask
 
 
-def _project(b: GradBuilder, h: Var, r_t: Var, rb: Var | None) -> Var:
+def _project(b: OpBuilder, h: Var, r_t: Var, rb: Var | None) -> Var:
     out = b.MatMul(h, r_t)
     return out if rb is None else out + rb
 
 
-def split(b: GradBuilder, x: Var, sizes: list[int], axis: int = -1) -> list[Var]:
+def split(b: OpBuilder, x: Var, sizes: list[int], axis: int = -1) -> list[Var]:
     """Split ``x``; every part gets ``x``'s dtype (the builder types the first output only)."""
     parts = b.Split(x, sizes, axis=axis, _outputs=len(sizes))
     for part in parts:
@@ -82,11 +82,11 @@ def split(b: GradBuilder, x: Var, sizes: list[int], axis: int = -1) -> list[Var]
 
 
 # ---- LSTM ------------------------------------------------------------------------------------
-def lstm_prepare(b: GradBuilder, p: DirectionParams) -> None:
+def lstm_prepare(b: OpBuilder, p: DirectionParams) -> None:
     p.extra["r_t"] = b.Transpose(p.r, perm=[1, 0])
 
 
-def lstm_forward(b: GradBuilder, p: DirectionParams, ax: Var, h: Var, c: Var) -> dict[str, Any]:
+def lstm_forward(b: OpBuilder, p: DirectionParams, ax: Var, h: Var, c: Var) -> dict[str, Any]:
     """i, f, o = sigmoid, g = tanh; C' = f*C + i*g; H' = o * tanh(C') (peepholes optional)."""
     pre_i, pre_o, pre_f, pre_g = split(b, ax + _project(b, h, p.extra["r_t"], p.rb), [p.hidden] * LSTM_GATES)
     if p.peep is not None:
@@ -104,7 +104,7 @@ def lstm_forward(b: GradBuilder, p: DirectionParams, ax: Var, h: Var, c: Var) ->
             "masks": (mi, mo, mf, mg)}
 
 
-def lstm_backward(b: GradBuilder, p: DirectionParams, s: dict[str, Any], h: Var, c: Var,
+def lstm_backward(b: OpBuilder, p: DirectionParams, s: dict[str, Any], h: Var, c: Var,
                   dh: Var, dc: Var) -> StepGrad:
     mi, mo, mf, mg = s["masks"]
     i, f, g, o, tc = s["i"], s["f"], s["g"], s["o"], s["tc"]
@@ -125,7 +125,7 @@ def lstm_backward(b: GradBuilder, p: DirectionParams, s: dict[str, Any], h: Var,
 
 
 # ---- GRU -------------------------------------------------------------------------------------
-def gru_prepare(b: GradBuilder, p: DirectionParams) -> None:
+def gru_prepare(b: OpBuilder, p: DirectionParams) -> None:
     hid = p.hidden
     if p.linear_before_reset:
         p.extra["r_t"] = b.Transpose(p.r, perm=[1, 0])
@@ -137,7 +137,7 @@ def gru_prepare(b: GradBuilder, p: DirectionParams) -> None:
         p.extra["rb_zr"], p.extra["rb_h"] = split(b, p.rb, [2 * hid, hid], axis=0)
 
 
-def gru_forward(b: GradBuilder, p: DirectionParams, ax: Var, h: Var, c: Var | None) -> dict[str, Any]:
+def gru_forward(b: OpBuilder, p: DirectionParams, ax: Var, h: Var, c: Var | None) -> dict[str, Any]:
     """z, r = sigmoid, h~ = tanh(.. r ..); H' = (1 - z) * h~ + z * H."""
     hid, e = p.hidden, p.extra
     ax_z, ax_r, ax_h = split(b, ax, [hid] * GRU_GATES)
@@ -159,7 +159,7 @@ def gru_forward(b: GradBuilder, p: DirectionParams, ax: Var, h: Var, c: Var | No
     return s
 
 
-def gru_backward(b: GradBuilder, p: DirectionParams, s: dict[str, Any], h: Var, c: Var | None,
+def gru_backward(b: OpBuilder, p: DirectionParams, s: dict[str, Any], h: Var, c: Var | None,
                  dh: Var, dc: Var | None) -> StepGrad:
     mz, mr, mh = s["masks"]
     z, r, ht = s["z"], s["r"], s["ht"]
@@ -182,17 +182,17 @@ def gru_backward(b: GradBuilder, p: DirectionParams, s: dict[str, Any], h: Var, 
 
 
 # ---- RNN -------------------------------------------------------------------------------------
-def rnn_prepare(b: GradBuilder, p: DirectionParams) -> None:
+def rnn_prepare(b: OpBuilder, p: DirectionParams) -> None:
     p.extra["r_t"] = b.Transpose(p.r, perm=[1, 0])
 
 
-def rnn_forward(b: GradBuilder, p: DirectionParams, ax: Var, h: Var, c: Var | None) -> dict[str, Any]:
+def rnn_forward(b: OpBuilder, p: DirectionParams, ax: Var, h: Var, c: Var | None) -> dict[str, Any]:
     """H' = tanh(ax + H @ R^T + Rb)."""
     h_new, mask = activate(b, "Tanh", ax + _project(b, h, p.extra["r_t"], p.rb), p)
     return {"h": h_new, "c": None, "mask": mask}
 
 
-def rnn_backward(b: GradBuilder, p: DirectionParams, s: dict[str, Any], h: Var, c: Var | None,
+def rnn_backward(b: OpBuilder, p: DirectionParams, s: dict[str, Any], h: Var, c: Var | None,
                  dh: Var, dc: Var | None) -> StepGrad:
     d_pre = d_tanh(dh, s["h"], s["mask"])
     return StepGrad(d_pre, [(d_pre, h)], b.MatMul(d_pre, p.r))
