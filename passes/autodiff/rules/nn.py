@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
 from passes.autodiff.registry import grad_rule
 
@@ -255,7 +256,7 @@ def _subtract_at_labels(b, dense, labels, amount):
 
 @grad_rule("SoftmaxCrossEntropyLoss", since=12, diff_inputs=(0,))
 def _softmax_ce(b, n, g):
-    scores, labels = n.inputs[0], b.Cast(n.inputs[1], to=7)
+    scores, labels = n.inputs[0], b.Cast(n.inputs[1], to=ir.DataType.INT64)
     w, safe = _class_weights(b, n, labels, 2, n.attr("ignore_index"), scores)
     probs = b.Softmax(scores, axis=1)
     dscore = None
@@ -272,7 +273,7 @@ def _softmax_ce(b, n, g):
 
 @grad_rule("NegativeLogLikelihoodLoss", since=12, diff_inputs=(0,))
 def _nll(b, n, g):
-    x, labels = n.inputs[0], b.Cast(n.inputs[1], to=7)
+    x, labels = n.inputs[0], b.Cast(n.inputs[1], to=ir.DataType.INT64)
     w, safe = _class_weights(b, n, labels, 2, n.attr("ignore_index"), x)
     factor = _per_sample_grad(b, n, g[0], w)
     return [_subtract_at_labels(b, b.zeros_like(x), safe, factor), None, None]

@@ -12,6 +12,7 @@ producer are refused with a clear error.
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
 from passes.autodiff.registry import grad_rule
 
@@ -45,7 +46,7 @@ def _sequence_at(b, n, g):
     int64 = np.int64
     zero = b.const(np.array(0, int64))
     dim = b.dim(x, axis)  # [1]
-    pos = b.Reshape(b.Cast(n.inputs[1], to=7), [1])
+    pos = b.Reshape(b.Cast(n.inputs[1], to=ir.DataType.INT64), [1])
     split = producer.inputs[1] if len(producer.inputs) > 1 else None
     if split is None:
         if not _attr(producer, "keepdims", 1):
@@ -53,7 +54,7 @@ def _sequence_at(b, n, g):
         count = dim
         start_of = None
     else:
-        split = b.Cast(b.wrap(split), to=7)
+        split = b.Cast(b.wrap(split), to=ir.DataType.INT64)
         split_rank = b.wrap(producer.inputs[1]).rank
         if split_rank is None:
             raise ValueError("SplitToSequence 'split' input of unknown rank")
