@@ -78,6 +78,20 @@ def _foldable(node: ir.Node) -> bool:
                         for a in node.attributes.values()))
 
 
+def evaluate_node(node: ir.Node, arrays: list[np.ndarray | None], opset: int) -> np.ndarray | None:
+    """Run one single-output node on constant inputs with onnx's reference evaluator
+    (None for an absent optional input); None when the evaluator cannot run it."""
+    names = [f"in{i}" if a is not None else "" for i, a in enumerate(arrays)]
+    proto = onnx.helper.make_node(node.op_type, names, ["out"])
+    proto.attribute.extend(ir.serde.serialize_node(node).attribute)
+    try:
+        evaluator = ReferenceEvaluator(proto, opsets={"": opset})
+        (out,) = evaluator.run(None, {n: a for n, a in zip(names, arrays) if n})
+    except Exception:  # noqa: BLE001 - an op the evaluator cannot run stays unfolded
+        return None
+    return np.asarray(out)
+
+
 class FoldConstantsPass(InPlacePass):
     def __init__(self, options: FoldOptions | None = None) -> None:
         super().__init__()
@@ -96,7 +110,7 @@ class FoldConstantsPass(InPlacePass):
             predicted = _predicted_elements(node, arrays)
             if predicted is None or predicted > self.options.max_elements:
                 continue  # never allocate a huge (or unknowable) result to find it is too big
-            result = self._evaluate(node, arrays, opset)
+            result = evaluate_node(node, arrays, opset)
             if result is None or result.size > self.options.max_elements:
                 continue
             # every input is None or a Constant's output (checked above), so producers are set
@@ -109,18 +123,6 @@ class FoldConstantsPass(InPlacePass):
             if not out.uses() and not out.is_graph_output() and const.graph is model.graph:
                 model.graph.remove(const, safe=True)
         return PassResult(model, modified)
-
-    @staticmethod
-    def _evaluate(node: ir.Node, arrays: list[np.ndarray | None], opset: int) -> np.ndarray | None:
-        names = [f"in{i}" if a is not None else "" for i, a in enumerate(arrays)]
-        proto = onnx.helper.make_node(node.op_type, names, ["out"])
-        proto.attribute.extend(ir.serde.serialize_node(node).attribute)
-        try:
-            evaluator = ReferenceEvaluator(proto, opsets={"": opset})
-            (out,) = evaluator.run(None, {n: a for n, a in zip(names, arrays) if n})
-        except Exception:  # noqa: BLE001 - an op the evaluator cannot run stays unfolded
-            return None
-        return np.asarray(out)
 
     @staticmethod
     def _replace(graph: ir.Graph, node: ir.Node, result: np.ndarray) -> None:
