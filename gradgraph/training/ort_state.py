@@ -16,7 +16,9 @@ import onnx
 import onnxruntime as ort
 
 from gradgraph.feeds import NP_OF_ORT, check_feeds
+from passes.marks import STAGE_KEY, Role
 from passes.optimizer.optimizer_pass import TrainingNames
+from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS, SESSION_EXECUTION_ORDER
 
 # onnxruntime optimizers that must not run on training graphs (real dropout must stay).
 DISABLED_OPTIMIZERS = ("EliminateDropout",)
@@ -70,15 +72,45 @@ class StateStore:
 
 
 
+_COPIED_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
+                   "execution_mode", "execution_order", "enable_cpu_mem_arena", "enable_mem_pattern",
+                   "log_severity_level", "optimized_model_filepath")
+
+
+def copy_session_options(options: ort.SessionOptions | None) -> ort.SessionOptions:
+    """A new SessionOptions with what a user may have set on ``options`` (never edited)."""
+    copy = ort.SessionOptions()
+    if options is not None:
+        for attr in _COPIED_OPTIONS:
+            setattr(copy, attr, getattr(options, attr))
+    return copy
+
+
+def has_recompute(model: onnx.ModelProto) -> bool:
+    return any(p.key == STAGE_KEY and p.value == Role.RECOMPUTE.value
+               for node in model.graph.node for p in node.metadata_props)
+
+
 class GraphRunner:
-    """One onnxruntime session whose held inputs come from, and return to, a StateStore."""
+    """One onnxruntime session whose held inputs come from, and return to, a StateStore.
+
+    A graph holding recompute clones runs with the settings recompute needs (see
+    :mod:`passes.recompute.recompute_pass`): nodes in the graph's order (``PRIORITY_BASED``;
+    the default order runs a clone as soon as its inputs exist, keeping its result alive), and
+    without common-subexpression elimination (it merges the clones back).
+    """
 
     def __init__(self, model: onnx.ModelProto, held: set[str], names: TrainingNames,
                  sess_options: ort.SessionOptions | None, providers: Sequence[Any] | None,
                  provider_options: Sequence[dict[str, Any]] | None) -> None:
+        disabled = list(DISABLED_OPTIMIZERS)
+        if has_recompute(model):
+            sess_options = copy_session_options(sess_options)
+            sess_options.execution_order = getattr(ort.ExecutionOrder, SESSION_EXECUTION_ORDER)
+            disabled += list(SESSION_DISABLED_OPTIMIZERS)
         self.session = ort.InferenceSession(
             model.SerializeToString(), sess_options, providers=providers,
-            provider_options=provider_options, disabled_optimizers=list(DISABLED_OPTIMIZERS))
+            provider_options=provider_options, disabled_optimizers=disabled)
         inputs = [i.name for i in self.session.get_inputs()]
         outputs = [o.name for o in self.session.get_outputs()]
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}

@@ -33,7 +33,7 @@ from gradgraph.training.build import (
     inference_model,
 )
 from gradgraph.training.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from gradgraph.training.ort_state import GraphRunner, StateStore
+from gradgraph.training.ort_state import GraphRunner, StateStore, copy_session_options
 from gradgraph.training.parameters import TrainingParameters
 from passes.autodiff import GradientError
 
@@ -69,12 +69,7 @@ def _with_optimized_path(args: tuple[Any, ...], path: str) -> tuple[Any, ...]:
     if not path:
         return args
     held, names, sess_options, providers, provider_options = args
-    options = ort.SessionOptions()
-    if sess_options is not None:  # copy what a user may have set
-        for attr in ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
-                     "execution_mode", "execution_order", "enable_cpu_mem_arena",
-                     "enable_mem_pattern", "log_severity_level"):
-            setattr(options, attr, getattr(sess_options, attr))
+    options = copy_session_options(sess_options)
     options.optimized_model_filepath = str(path)
     return held, names, options, providers, provider_options
 
