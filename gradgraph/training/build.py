@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -150,27 +151,52 @@ class FinishPass(InPlacePass):
         return PassResult(model, removed)
 
 
-def _graph_transforms(config: TrainingConfig) -> list[PassBase]:
+def kernel_support(providers: Sequence[Any] | None, dtype: str) -> Any:
+    """Which (op, domain, dtype) the session's providers run, forward and gradient (see
+    :class:`gradgraph.kernels.TrainingKernelProbe`): the precision passes keep the others in
+    fp32 (``None``: assume all, as on a GPU build).
+
+    onnxruntime's CPU provider has bf16 kernels for a handful of forward ops and none for the
+    gradient ops they lead to (ReduceMean, Mul, ...), so on CPU bf16 is emulated throughout:
+    values rounded to bf16, arithmetic in fp32.
+    """
+    if not providers:
+        return None
+    names = [p if isinstance(p, str) else p[0] for p in providers]
+    if dtype == "bfloat16" and names[0] == "CPUExecutionProvider":
+        return lambda op_type, domain, value_type: False
+    from gradgraph.kernels import training_kernel_predicate
+
+    return training_kernel_predicate(names)
+
+
+def _graph_transforms(config: TrainingConfig, providers: Sequence[Any] | None) -> list[PassBase]:
     gt, mp = config.graph_transformer, config.mixed_precision
     passes: list[PassBase] = []
     if gt.cleanup:
         from passes.cleanup import CleanupPass
 
         passes.append(CleanupPass())
+    low = mp.dtype or "float16"
+    supported = kernel_support(providers, low)
     if mp.dtype is not None:
         from passes.precision import MixedPrecisionOptions, MixedPrecisionPass
 
-        passes.append(MixedPrecisionPass(MixedPrecisionOptions(dtype=mp.dtype)))
+        passes.append(MixedPrecisionPass(MixedPrecisionOptions(dtype=mp.dtype, loss=config.loss),
+                                         supported=supported))
     if gt.propagate_cast_ops.enabled:
         from passes.precision import CastPropagationPass
 
         cast = gt.propagate_cast_ops
-        passes.append(CastPropagationPass(int(cast.strategy), cast.level, tuple(cast.allow)))
+        low_type = ir.DataType.BFLOAT16 if low == "bfloat16" else ir.DataType.FLOAT16
+        passes.append(CastPropagationPass(int(cast.strategy), cast.level, tuple(cast.allow),
+                                          low=low_type, supported=supported))
     return passes
 
 
 def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
-                      trained_set: TrainedSetPass, apply: bool = True) -> Pipeline:
+                      trained_set: TrainedSetPass, apply: bool = True,
+                      providers: Sequence[Any] | None = None) -> Pipeline:
     """The declared stages of the training build (see the module docstring)."""
     names, paths = config.names, config.debug.graph_save_paths
     forward: list[PassBase] = [PrepareForGradientPass(strict_parameters=config.weights_to_train is None),
@@ -189,7 +215,8 @@ def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
         recompute.append(RecomputePass(config.graph_transformer.recompute))
     return Pipeline([
         Stage("forward", forward),
-        Stage("graph_transforms", _graph_transforms(config), paths.model_after_graph_transforms_path),
+        Stage("graph_transforms", _graph_transforms(config, providers),
+              paths.model_after_graph_transforms_path),
         Stage("gradient", gradient),
         Stage("recompute", recompute, paths.model_with_gradient_graph_path),
         training_stage(config, apply),
@@ -246,13 +273,19 @@ def _check_config(config: TrainingConfig, model: ir.Model) -> list[str] | None:
 
 def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
                              config: TrainingConfig, *,
-                             save_stages: str | os.PathLike | None = None) -> TrainingArtifacts:
-    """Build the training, accumulation and eval models (see the module docstring)."""
+                             save_stages: str | os.PathLike | None = None,
+                             providers: Sequence[Any] | None = None) -> TrainingArtifacts:
+    """Build the training, accumulation and eval models (see the module docstring).
+
+    ``providers``: the onnxruntime execution providers the graphs will run on; mixed precision
+    and cast propagation keep ops those lack a low-precision kernel for in fp32 (see
+    :func:`kernel_support`). None: every op is assumed to have one.
+    """
     source = load_model(model)
     wanted = _check_config(config, source)
     save_dir = save_stages if save_stages is not None else config.debug.save_stages
     trained_set = TrainedSetPass(set(config.weights_not_to_train), config.names.out_suffix)
-    pipeline = training_pipeline(config, wanted, trained_set)
+    pipeline = training_pipeline(config, wanted, trained_set, providers=providers)
     kept: dict[str, onnx.ModelProto] = {}
     feeds: list[str] = []
     outputs: list[str] = []

@@ -95,9 +95,9 @@ class TrainingSession:
             config, initial_optimizer_state = parameters, {}
         self.config = config
         self.names = config.names
-        self.artifacts: TrainingArtifacts = build_training_artifacts(
-            path_or_bytes, config, save_stages=save_stages)
         self.providers = _provider_names(providers)
+        self.artifacts: TrainingArtifacts = build_training_artifacts(
+            path_or_bytes, config, save_stages=save_stages, providers=self.providers)
         device, device_id = _device_of(self.providers)
         self.store = StateStore(device, device_id)
         self._init_state()
