@@ -7,7 +7,8 @@ with the entry of the gradient that the gradient graph computes in onnxruntime.
 The oracle is the first of these that can run the model (:func:`gradcheck` reports which):
 
 1. ``float64-ort``: central differences of a float64 copy of the forward model
-   (:class:`passes.forward.to_double.ToDoublePass`) in onnxruntime; step :data:`FLOAT64_EPS`,
+   (:class:`passes.forward.to_double.ToDoublePass`; normalizations' ``stash_type`` set to
+   float64 too) in onnxruntime; step :data:`FLOAT64_EPS`,
    tolerances :data:`FLOAT64_RTOL` / :data:`FLOAT64_ATOL`.
 2. ``float64-reference``: the same float64 copy in ``onnx.reference.ReferenceEvaluator``,
    when onnxruntime's CPU provider cannot load or run it (it lacks float64 kernels for
@@ -27,6 +28,13 @@ step: where the difference quotients show a kink of the loss within the step (a 
 switching; the derivative does not exist there), it is counted in ``kinks`` and not compared.
 Anything that stops the check (a model no oracle can run, a gradient graph onnxruntime cannot
 load or run) is a :class:`GradientError`.
+
+This is the one finite-difference oracle of the project: :func:`gradcheck` (``gradgraph
+check``) computes the analytic gradients and hands them to
+:func:`compare_with_central_differences`, which the op-level test suites (``tests/fdcheck.py``)
+call directly with their own gradients, step and tolerances, ``float64_only=True`` and a
+:class:`KinkScreen` (every entry screened for a kink by its one-sided quotients, instead of
+re-probing the mismatching ones).
 """
 
 from __future__ import annotations
@@ -73,6 +81,10 @@ FLOAT64_ATOL = 1e-5
 FLOAT32_EPS = 3e-4
 FLOAT32_RTOL = 1e-2
 FLOAT32_ATOL = 5e-3  # times max(1, |loss|)
+# KinkScreen: relative disagreement of the one-sided quotients (x+h vs x-h) that marks a kink,
+# and its floor, in units of the loss gradient.
+KINK_RTOL = 1e-2
+KINK_ATOL = 1e-4
 # The ONNX reference evaluator is tried only on models with at most this many values
 # (initializers + inputs) ...
 REFERENCE_MAX_VALUES = 200_000
@@ -110,6 +122,7 @@ class CheckRow:
     detail: str = ""
     nonfinite: int = 0
     kinks: int = 0
+    mismatches: tuple[str, ...] = ()  # "[flat index] analytic A vs numeric N" per failing entry
 
     @property
     def ok(self) -> bool:
@@ -220,9 +233,22 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0, dims: Mapping[str, int]
 
 
 def _as_double(model: onnx.ModelProto) -> onnx.ModelProto:
+    """float32 -> float64, normalizations included (their ``stash_type`` defaults to float32)."""
     m = ir.from_proto(model)
     ToDoublePass()(m)
+    for node in ir.traversal.RecursiveGraphIterator(m.graph):
+        if _has_stash_type(node, m.opset_imports):
+            node.attributes["stash_type"] = ir.AttrInt64("stash_type", int(ir.DataType.DOUBLE))
     return ir.to_proto(m)
+
+
+def _has_stash_type(node: ir.Node, opsets: Mapping[str, int]) -> bool:
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
+    except onnx.defs.SchemaError:
+        return False
+    return "stash_type" in schema.attributes
 
 
 # ---- the ONNX reference evaluator, with float64-exact kernels where the stock ones are not ----
@@ -414,14 +440,17 @@ def _with_trained_as_inputs(model: onnx.ModelProto, loss: str, trained: Sequence
             keep.append(t)
     del m.graph.initializer[:]
     m.graph.initializer.extend(keep)
-    typed = [v for v in list(m.graph.output) + list(m.graph.value_info) if v.name == loss]
-    out = onnx.ValueInfoProto()
-    if typed:
-        out.CopyFrom(typed[0])
-    else:
-        out.name = loss
-    del m.graph.output[:]  # only the loss: the oracle runs nothing else
-    m.graph.output.append(out)
+    # The other graph outputs stay: onnxruntime's BatchNormalization in training mode computes
+    # its running variance from uninitialized memory (a different loss on every run) when its
+    # other outputs are not graph outputs.
+    if loss not in {o.name for o in m.graph.output}:
+        typed = [v for v in m.graph.value_info if v.name == loss]
+        out = onnx.ValueInfoProto()
+        if typed:
+            out.CopyFrom(typed[0])
+        else:
+            out.name = loss
+        m.graph.output.append(out)
     return m, values
 
 
@@ -448,8 +477,13 @@ def _reference_loss(model: onnx.ModelProto, loss: str) -> Runner:
 
 
 def _choose_oracle(forward: onnx.ModelProto, loss: str, trained: Sequence[str],
-                   feeds: Mapping[str, np.ndarray], runs: int, model_desc: str) -> _Oracle:
-    """The first oracle that can load ``forward`` and compute the loss at ``feeds``."""
+                   feeds: Mapping[str, np.ndarray], runs: int, model_desc: str,
+                   float64_only: bool = False) -> _Oracle:
+    """The first oracle that can load ``forward`` and compute the loss at ``feeds``.
+
+    With ``float64_only`` the float32 fallback is not taken (the check fails instead), and the
+    reference evaluator's size and time limits do not apply: they only exist to prefer it.
+    """
     reasons: list[str] = []
     try:
         f64, trained64 = _with_trained_as_inputs(_as_double(forward), loss, trained)
@@ -467,7 +501,7 @@ def _choose_oracle(forward: onnx.ModelProto, loss: str, trained: Sequence[str],
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
             reasons.append(_describe_failure(exc, f64, "float64 copy", "float64")[0])
         size = _model_values(f64, base64)
-        if size > REFERENCE_MAX_VALUES:
+        if size > REFERENCE_MAX_VALUES and not float64_only:
             reasons.append(f"the model holds {size:,} values, over the reference evaluator's limit "
                            f"of {REFERENCE_MAX_VALUES:,}")
         else:
@@ -480,10 +514,13 @@ def _choose_oracle(forward: onnx.ModelProto, loss: str, trained: Sequence[str],
                 reasons.append(f"the ONNX reference evaluator cannot run it either "
                                f"({type(exc).__name__}: {_short(exc, 200)})")
             else:
-                if estimate <= REFERENCE_MAX_SECONDS:
+                if estimate <= REFERENCE_MAX_SECONDS or float64_only:
                     return _Oracle(ORACLE_FLOAT64_REFERENCE, reasons[0], loss_of, base64, f0)
                 reasons.append(f"the ONNX reference evaluator would take about {estimate:.0f} s "
                                f"(limit {REFERENCE_MAX_SECONDS:g} s)")
+    if float64_only:
+        raise GradientError(f"cannot check {model_desc}: no float64 oracle can run its forward "
+                            "model: " + "; ".join(reasons))
     f32, trained32 = _with_trained_as_inputs(forward, loss, trained)
     base32 = dict(feeds)
     base32.update(trained32)
@@ -561,8 +598,43 @@ def gradcheck(
         reason, op = _describe_failure(exc, grad_model, "gradient graph")
         raise GradientError(f"cannot check {model_desc}: {reason}", op_type=op) from exc
 
+    return compare_with_central_differences(
+        forward, loss, {w: analytic[g] for g, w in zip(grad_names, trained)}, feeds, eps=eps,
+        rtol=rtol, atol=atol, max_elements=max_elements, seed=seed, model_desc=model_desc)
+
+
+def compare_with_central_differences(
+    forward: onnx.ModelProto,
+    loss: str,
+    analytic: Mapping[str, np.ndarray],
+    feeds: Mapping[str, np.ndarray],
+    *,
+    eps: float | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    max_elements: int = 16,
+    seed: int = 0,
+    float64_only: bool = False,
+    kink_screen: KinkScreen | None = None,
+    model_desc: str = "the model",
+) -> CheckReport:
+    """The numeric side of the check: ``analytic`` gradients against central differences.
+
+    ``forward`` outputs ``loss``; ``analytic`` maps each name to check (a graph input given in
+    ``feeds``, or an initializer) to its gradient, however it was computed. The oracle is
+    chosen as the module docstring says: with ``float64_only`` only the two float64 ones (the
+    reference evaluator then without its size and time limits), else a :class:`GradientError`.
+    ``eps`` / ``rtol`` / ``atol`` default to the oracle's. ``seed`` picks the entries, from one
+    generator in the order of ``analytic``. With a :class:`KinkScreen`, every entry is first
+    screened for a kink and the others are compared strictly; without one, only mismatching
+    entries are re-probed for a kink. Rows of embedding tables
+    marked with a ``padding_idx`` are not compared. This is the oracle :func:`gradcheck` and
+    the op-level test suites (``tests/fdcheck.py``) share.
+    """
+    _validate(eps, rtol, atol, max_elements)
+    trained = list(analytic)
     runs = 1 + 2 * sum(min(max_elements, int(np.asarray(a).size)) for a in analytic.values())
-    oracle = _choose_oracle(forward, loss, trained, feeds, runs, model_desc)
+    oracle = _choose_oracle(forward, loss, trained, feeds, runs, model_desc, float64_only)
     float32 = oracle.kind == ORACLE_FLOAT32_ORT
     step = eps if eps is not None else (FLOAT32_EPS if float32 else FLOAT64_EPS)
     r_tol = rtol if rtol is not None else (FLOAT32_RTOL if float32 else FLOAT64_RTOL)
@@ -572,9 +644,10 @@ def gradcheck(
     rng = np.random.default_rng(seed)
     rows = []
     padding = _padding_rows(forward)
-    for name, gname in zip(trained, grad_names):
-        rows.append(_check_one(name, oracle, np.asarray(analytic[gname]), rng, step, float32,
-                               r_tol, a_tol_used, max_elements, model_desc, padding.get(name, set())))
+    for name in trained:
+        rows.append(_check_one(name, oracle, np.asarray(analytic[name]), rng, step, float32,
+                               r_tol, a_tol_used, max_elements, model_desc, padding.get(name, set()),
+                               kink_screen))
     return CheckReport(tuple(rows), oracle.kind, oracle.reason, step, r_tol, a_tol, oracle.f0)
 
 
@@ -592,7 +665,8 @@ def _padding_rows(forward: onnx.ModelProto) -> dict[str, set[int]]:
 
 def _check_one(name: str, oracle: _Oracle, grad: np.ndarray, rng: np.random.Generator, step: float,
                relative_step: bool, rtol: float, atol: float, max_elements: int,
-               model_desc: str, skip_rows: set[int] | None = None) -> CheckRow:
+               model_desc: str, skip_rows: set[int] | None = None,
+               kink_screen: KinkScreen | None = None) -> CheckRow:
     x = np.asarray(oracle.base[name])
     if grad.shape != x.shape:
         return CheckRow(name, 0, math.nan, math.nan, RESULT_FAIL,
@@ -608,27 +682,34 @@ def _check_one(name: str, oracle: _Oracle, grad: np.ndarray, rng: np.random.Gene
     got = grad.astype(np.float64).reshape(-1)
     errs: list[float] = []
     rels: list[float] = []
+    mismatches: list[str] = []
     ok = True
     bad_analytic = bad_numeric = nonfinite = kinks = 0
-    for k in picks:
-        probe = _Probe(name, oracle, x, int(k), model_desc)
+    for k in sorted(int(k) for k in picks):
+        probe = _Probe(name, oracle, x, k, model_desc)
         h = step * max(1.0, abs(probe.x0)) if relative_step else step
+        if kink_screen is not None and kink_screen.at_kink(probe, h):
+            kinks += 1
+            continue
         numeric = probe.central(h)
         analytic = float(got[k])
         finite_a, finite_n = math.isfinite(analytic), math.isfinite(numeric)
         if finite_a and finite_n:
             err = abs(numeric - analytic)
             tol = atol + rtol * abs(numeric)
-            if err > tol and probe.kink(h, tol):
+            if err > tol and kink_screen is None and probe.kink(h, tol):
                 kinks += 1  # no derivative to compare with in this step's window
                 continue
-            ok &= err <= tol
+            passed = err <= tol
+            ok &= passed
         else:
             err = _nonfinite_err(analytic, numeric)
             bad_analytic += not finite_a
             bad_numeric += not finite_n
             nonfinite += 1
-            ok = False
+            ok = passed = False
+        if not passed:
+            mismatches.append(f"[{k}] analytic {analytic:.8g} vs numeric {numeric:.8g}")
         errs.append(err)
         rels.append(err / max(abs(numeric), 1e-12) if math.isfinite(err) else err)
     parts = []
@@ -643,7 +724,7 @@ def _check_one(name: str, oracle: _Oracle, grad: np.ndarray, rng: np.random.Gene
     # np.max propagates NaN: a NaN entry shows as nan, never as a small number
     max_abs, max_rel = float(np.max(errs)), float(np.max(rels))
     return CheckRow(name, len(errs), max_abs, max_rel, RESULT_OK if ok else RESULT_FAIL,
-                    ", ".join(parts), nonfinite, kinks)
+                    ", ".join(parts), nonfinite, kinks, tuple(mismatches))
 
 
 def _nonfinite_err(analytic: float, numeric: float) -> float:
@@ -653,6 +734,33 @@ def _nonfinite_err(analytic: float, numeric: float) -> float:
     if math.isinf(analytic) and math.isinf(numeric) and analytic == numeric:
         return math.nan
     return math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class KinkScreen:
+    """Screen every entry for a kink before comparing it, instead of re-probing mismatches.
+
+    An entry is at a kink when the loss is not finite at x or x +/- h (a domain edge) or when
+    the one-sided difference quotients disagree: ``|up - down| > atol + rtol * max(|up|,
+    |down|)``. The op-level test suites use it (defaults :data:`KINK_RTOL`, :data:`KINK_ATOL`)
+    so that an entry at a tie or a kink is never compared, even where the analytic value
+    happens to match the central difference; it needs a float64 oracle (float32 rounding makes
+    one-sided quotients too noisy for it). An entry that passes the screen is compared strictly:
+    a mismatch there is a failure, not re-probed at half the step.
+    """
+
+    rtol: float = KINK_RTOL
+    atol: float = KINK_ATOL
+
+    def at_kink(self, probe: _Probe, h: float) -> bool:
+        (x_plus, f_plus), (x_minus, f_minus) = probe.at(h), probe.at(-h)
+        f_zero = probe.oracle.f0
+        if not np.isfinite([f_plus, f_zero, f_minus]).all():
+            return True
+        with np.errstate(all="ignore"):
+            up = (f_plus - f_zero) / (x_plus - probe.x0)
+            down = (f_zero - f_minus) / (probe.x0 - x_minus)
+        return not abs(up - down) <= self.atol + self.rtol * max(abs(up), abs(down))
 
 
 class _Probe:

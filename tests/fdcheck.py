@@ -1,12 +1,26 @@
 """Finite-difference checks of gradient graphs, shared by the op-level test suites.
 
-The analytic gradient comes from the gradient graph run in onnxruntime (in the
-model's own dtype). The numeric one is a float64 central difference of the same
-forward model retyped to float64, run in onnxruntime or, where onnxruntime has no
-float64 kernel for an op, in ``onnx.reference.ReferenceEvaluator``.
+A thin adapter over the package's oracle, the one ``gradgraph check`` uses:
+:func:`gradgraph.check.compare_with_central_differences`. Only the analytic side is here:
+the gradient graph of ``LOSS`` (:func:`build_gradient_graph`, no preparation pass) run in
+onnxruntime in the model's own dtype. The numeric side comes from the package: a float64
+central difference of the forward model retyped to float64 (normalizations' ``stash_type``
+included), run in onnxruntime or, where onnxruntime has no float64 kernel for an op, in
+``onnx.reference.ReferenceEvaluator`` (no float32 fallback: the check fails instead).
 
-Elements where the one-sided difference quotients disagree (a kink, a tie, a jump)
-are reported as ``kinks`` and not compared: the derivative does not exist there.
+Steps and tolerances (unchanged since the suites were written):
+
+- step ``FD_EPS`` = 1e-6, absolute, in float64;
+- an element passes when ``|analytic - numeric| <= atol + rtol * |numeric|``, with
+  ``FLOAT32_TOL`` (atol 1e-4, rtol 1e-3) for float32 gradients and ``FLOAT64_TOL``
+  (atol 1e-6, rtol 1e-5) for float64 ones (see :func:`tolerance_for`);
+- at most ``MAX_ELEMENTS`` = 24 elements of each input, picked with ``seed``;
+- every element is first screened for a kink (:class:`gradgraph.check.KinkScreen`,
+  ``KINK_RTOL`` = 1e-2, ``KINK_ATOL`` = 1e-4): where the one-sided difference quotients
+  disagree (a kink, a tie, a jump) or the loss is not finite within the step (a domain
+  edge), the element is reported in ``kinks`` and not compared: the derivative does not
+  exist there. The other elements are compared strictly (no re-probing of a mismatch at
+  half the step, which ``gradgraph check`` does instead of the screen).
 """
 
 from __future__ import annotations
@@ -16,23 +30,20 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
 
+from gradgraph import check
 from gradgraph.api import build_gradient_graph
-from gradgraph.check import REFERENCE_OVERRIDES
-from passes.forward.to_double import ToDoublePass
 
 LOSS = "fdcheck_loss"
 GRAD_SUFFIX = "_grad"
 # Central-difference step, applied in float64.
 FD_EPS = 1e-6
-# Relative disagreement of the one-sided quotients (x+eps vs x-eps) that marks a kink.
-KINK_RTOL = 1e-2
-# Floor of the kink test, in units of the loss gradient.
-KINK_ATOL = 1e-4
+# The kink screen's thresholds (gradgraph.check's): one-sided quotients' relative disagreement
+# and its floor, in units of the loss gradient.
+KINK_RTOL = check.KINK_RTOL
+KINK_ATOL = check.KINK_ATOL
 # At most this many elements of each input are perturbed.
 MAX_ELEMENTS = 24
 LOSS_FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
@@ -57,6 +68,10 @@ def tolerance_for(dtype: np.dtype) -> Tolerance:
 
 @dataclasses.dataclass
 class GradReport:
+    """One input's comparison (from a :class:`gradgraph.check.CheckRow`): ``checked`` elements
+    compared, ``kinks`` left out, and one line per element that disagrees (or the reason the
+    input could not be compared, e.g. a wrong gradient shape). ``ok``: nothing disagrees."""
+
     name: str
     checked: int = 0
     kinks: int = 0
@@ -87,64 +102,6 @@ def ort_runner(model: onnx.ModelProto) -> Callable[[Sequence[str], Mapping[str, 
     except Exception as exc:  # noqa: BLE001 - any load failure means "cannot run here"
         raise KernelMissing(f"{type(exc).__name__}: {exc}") from exc
     return lambda names, feeds: sess.run(list(names), dict(feeds))
-
-
-# The reference evaluator fixes (float64-exact Erf/Gelu, grouped ConvTranspose, ...) live in the
-# package, where `gradgraph check` uses them too.
-
-
-def reference_runner(model: onnx.ModelProto) -> Callable[[Sequence[str], Mapping[str, np.ndarray]], list]:
-    ref = ReferenceEvaluator(model, new_ops=REFERENCE_OVERRIDES)
-    return lambda names, feeds: ref.run(list(names), dict(feeds))
-
-
-class FallbackRunner:
-    """onnxruntime when it has the kernels, else the ONNX reference evaluator.
-
-    Some kernels fail only when run (e.g. "LSTM operator does not support double yet"),
-    so a failing onnxruntime run also switches to the reference evaluator, for good.
-    """
-
-    def __init__(self, model: onnx.ModelProto) -> None:
-        self.model = model
-        self.fell_back = False
-        try:
-            self.run_ = ort_runner(model)
-        except KernelMissing:
-            self.run_ = reference_runner(model)
-
-    def __call__(self, names: Sequence[str], feeds: Mapping[str, np.ndarray]) -> list:
-        try:
-            return self.run_(names, feeds)
-        except Exception:  # noqa: BLE001 - fall back once; the reference's errors propagate
-            if self.fell_back:
-                raise
-            self.fell_back = True
-            self.run_ = reference_runner(self.model)
-            return self.run_(names, feeds)
-
-
-def any_runner(model: onnx.ModelProto) -> FallbackRunner:
-    return FallbackRunner(model)
-
-
-def as_double(model: onnx.ModelProto) -> onnx.ModelProto:
-    """float32 -> float64, normalizations included (their ``stash_type`` defaults to float32)."""
-    m = ir.from_proto(model)
-    ToDoublePass()(m)
-    for node in ir.traversal.RecursiveGraphIterator(m.graph):
-        if _has_stash_type(node, m.opset_imports):
-            node.attributes["stash_type"] = ir.AttrInt64("stash_type", int(ir.DataType.DOUBLE))
-    return ir.to_proto(m)
-
-
-def _has_stash_type(node: ir.Node, opsets: Mapping[str, int]) -> bool:
-    domain = "" if node.domain == "ai.onnx" else node.domain
-    try:
-        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
-    except onnx.defs.SchemaError:
-        return False
-    return "stash_type" in schema.attributes
 
 
 # ---- loss construction -----------------------------------------------------------------------
@@ -200,66 +157,24 @@ def analytic_gradients(model: onnx.ModelProto, wrt: Sequence[str],
     return dict(zip(wrt, values))
 
 
-def _double_feeds(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feeds.items()}
-
-
-def _compare_element(report: GradReport, index: int, got: float, f_plus: float, f_zero: float,
-                     f_minus: float, tol: Tolerance) -> None:
-    up, down = (f_plus - f_zero) / FD_EPS, (f_zero - f_minus) / FD_EPS
-    outside = not np.isfinite([f_plus, f_zero, f_minus]).all()  # at a domain edge
-    if outside or abs(up - down) > KINK_ATOL + KINK_RTOL * max(abs(up), abs(down)):
-        report.kinks += 1
-        return
-    numeric = (f_plus - f_minus) / (2 * FD_EPS)
-    err = abs(got - numeric)
-    report.checked += 1
-    report.max_abs_err = max(report.max_abs_err, err)
-    if not err <= tol.atol + tol.rtol * abs(numeric):
-        report.mismatches.append(f"[{index}] analytic {got:.8g} vs numeric {numeric:.8g}")
-
-
 def compare_gradients(model: onnx.ModelProto, wrt: Sequence[str], feeds: Mapping[str, np.ndarray],
                       tol: Tolerance, *, max_elements: int = MAX_ELEMENTS,
                       seed: int = 0) -> list[GradReport]:
     """Gradient graph of LOSS (which ``model`` outputs) w.r.t. ``wrt`` vs float64 central differences."""
     analytic = analytic_gradients(model, wrt, feeds)
-    loss_of = _fd_loss(model)
-    base = _double_feeds(feeds)
-    f_zero = loss_of(base)
-    rng = np.random.default_rng(seed)
-    reports = []
-    for name in wrt:
-        x = base[name]
-        got = np.asarray(analytic[name], dtype=np.float64)
-        report = GradReport(name)
-        if got.shape != x.shape:
-            report.mismatches.append(f"gradient shape {list(got.shape)} != input shape {list(x.shape)}")
-            reports.append(report)
-            continue
-        got = got.reshape(-1)
-        picks = rng.choice(x.size, size=min(max_elements, x.size), replace=False)
-        for k in sorted(picks):
-            f = [loss_of({**base, name: _bumped(x, k, sign)}) for sign in (1.0, -1.0)]
-            _compare_element(report, int(k), float(got[k]), f[0], f_zero, f[1], tol)
-        reports.append(report)
-    return reports
+    report = check.compare_with_central_differences(
+        model, LOSS, analytic, feeds, eps=FD_EPS, rtol=tol.rtol, atol=tol.atol,
+        max_elements=max_elements, seed=seed, float64_only=True,
+        kink_screen=check.KinkScreen(KINK_RTOL, KINK_ATOL))
+    return [_report(row) for row in report]
 
 
-def _bumped(x: np.ndarray, index: int, sign: float) -> np.ndarray:
-    flat = x.copy().reshape(-1)
-    flat[index] += sign * FD_EPS
-    return flat.reshape(x.shape)
-
-
-def _fd_loss(model: onnx.ModelProto) -> Callable[[Mapping[str, np.ndarray]], float]:
-    run = any_runner(as_double(model))
-
-    def loss(feeds: Mapping[str, np.ndarray]) -> float:
-        with np.errstate(all="ignore"):  # stepping past a domain edge is detected, not an error
-            return float(np.sum(run([LOSS], feeds)[0]))
-
-    return loss
+def _report(row: check.CheckRow) -> GradReport:
+    mismatches = list(row.mismatches)
+    if row.result == check.RESULT_FAIL and not mismatches:  # e.g. a wrong gradient shape
+        mismatches.append(row.detail)
+    max_abs_err = row.max_abs_err if row.checked else 0.0
+    return GradReport(row.name, row.checked, row.kinks, max_abs_err, mismatches)
 
 
 def describe(reports: Sequence[GradReport]) -> str:

@@ -13,7 +13,12 @@ from pass_harness import assert_pass_preserves
 
 from gradgraph.kernels import training_kernel_predicate
 from passes.cleanup import CleanupPass
-from passes.precision import CastPropagationPass, MixedPrecisionOptions, MixedPrecisionPass, Strategy
+from passes.precision import (
+    CastPropagationPass,
+    MixedPrecisionOptions,
+    MixedPrecisionPass,
+    Strategy,
+)
 from passes.recompute import RecomputeOptions, RecomputePass
 
 # What the CPU provider runs in fp16, forward and gradient (as the training pipeline asks).
