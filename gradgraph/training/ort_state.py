@@ -18,7 +18,7 @@ import onnxruntime as ort
 from gradgraph.feeds import NP_OF_ORT, check_feeds
 from passes.marks import STAGE_KEY, Role
 from passes.optimizer.optimizer_pass import TrainingNames
-from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS, SESSION_EXECUTION_ORDER
+from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 
 # onnxruntime optimizers that must not run on training graphs (real dropout must stay).
 DISABLED_OPTIMIZERS = ("EliminateDropout",)
@@ -94,10 +94,10 @@ def has_recompute(model: onnx.ModelProto) -> bool:
 class GraphRunner:
     """One onnxruntime session whose held inputs come from, and return to, a StateStore.
 
-    A graph holding recompute clones runs with the settings recompute needs (see
-    :mod:`passes.recompute.recompute_pass`): nodes in the graph's order (``PRIORITY_BASED``;
-    the default order runs a clone as soon as its inputs exist, keeping its result alive), and
-    without common-subexpression elimination (it merges the clones back).
+    A graph holding recompute clones runs without onnxruntime's common-subexpression
+    elimination, which merges the clones back into their originals; its execution order is the
+    user's (default: onnxruntime's), see :mod:`passes.recompute.recompute_pass` for the
+    measurements behind that choice.
     """
 
     def __init__(self, model: onnx.ModelProto, held: set[str], names: TrainingNames,
@@ -105,8 +105,6 @@ class GraphRunner:
                  provider_options: Sequence[dict[str, Any]] | None) -> None:
         disabled = list(DISABLED_OPTIMIZERS)
         if has_recompute(model):
-            sess_options = copy_session_options(sess_options)
-            sess_options.execution_order = getattr(ort.ExecutionOrder, SESSION_EXECUTION_ORDER)
             disabled += list(SESSION_DISABLED_OPTIMIZERS)
         self.session = ort.InferenceSession(
             model.SerializeToString(), sess_options, providers=providers,
