@@ -297,3 +297,15 @@ g (float[2, 3] x) => (float loss) <float[3] w = {0.5, -1., 2.}> {
         assert_pass_preserves(model, _AddToSub, feeds=X)
     with pytest.raises(AssertionError, match="second run"):
         assert_pass_preserves(model, lambda: _AddToSub(always_modified=True), feeds=X)
+
+
+def test_dropout_mask_outputs_survive_dead_code_removal() -> None:
+    """The mask of a training Dropout is read by its gradient, not by the forward: kept."""
+    model = ir.from_onnx_text("""<ir_version: 9, opset_import: ["" : 18]>
+g (float[4] x, bool t) => (float[4] y) {
+ r = Constant <value = float {0.5}> ()
+ y, m = Dropout (x, r, t)
+}""")
+    assert not CleanupPass()(model).modified
+    dropout = next(n for n in model.graph if n.op_type == "Dropout")
+    assert len(dropout.outputs) == 2 and dropout.outputs[1].name == "m"

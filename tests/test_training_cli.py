@@ -104,3 +104,29 @@ def test_fixed_batch_export_trains_at_another_batch_size(tmp_path: Path, capsys)
     err = capsys.readouterr().err
     assert "cannot make the batch dimension" in err and "dynamic_axes" in err and "Traceback" not in err
     assert BATCH_ERROR.split("{")[0] in err
+
+
+def test_train_with_mixed_precision_and_pass_flags(files: tuple[Path, Path], tmp_path: Path) -> None:
+    """The graph-transform flags reach the training pipeline: fp16 training (its loss scale held
+    in the checkpoint, resumable), clean-up and cast propagation, ending at a finite, lower loss."""
+    model, data = files
+    extra = ("--mixed-precision", "float16", "--cleanup", "--cast-level", "1", "--save-stages",
+             str(tmp_path / "stages"))
+    assert main(_args(model, data, tmp_path / "mp", 6, *extra)) == 0
+    state, meta = read_checkpoint(tmp_path / "mp" / CHECKPOINT_NAME)
+    assert state["loss_scale"].dtype == np.float32 and float(state["loss_scale"]) > 0
+    losses = meta["user"]["losses"]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert main(_args(model, data, tmp_path / "mp", 8, *extra, "--resume")) == 0
+    transformed = sorted((tmp_path / "stages").glob("*graph_transforms.onnx"))
+    assert transformed, "the stages were saved"
+    import onnx
+
+    casts = [n for n in onnx.load(transformed[0]).graph.node if n.op_type == "Cast"]
+    assert casts, "mixed precision casts the weights to fp16 at their use"
+
+
+def test_bad_pass_flags_are_user_errors(files: tuple[Path, Path], tmp_path: Path, capsys) -> None:
+    model, data = files
+    assert main(_args(model, data, tmp_path / "bad", 2, "--memory-budget", "-1")) == 2
+    assert "memory_budget" in capsys.readouterr().err

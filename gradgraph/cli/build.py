@@ -8,7 +8,15 @@ import sys
 import time
 from pathlib import Path
 
-from gradgraph.cli.common import add_list_weights, list_weights, main_for, weights_arg
+from gradgraph.cli.common import (
+    add_list_weights,
+    add_pass_arguments,
+    dims_arg,
+    list_weights,
+    main_for,
+    pass_groups,
+    weights_arg,
+)
 from gradgraph.feeds import InputError
 
 DESCRIPTION = """\
@@ -35,38 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw", "lamb"])
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument("--clip", type=float, default=None, help="global gradient-norm clipping")
-    p.add_argument("--cleanup", action="store_true",
-                   help="run the clean-up passes (dead code, CSE, folding, identities)")
-    p.add_argument("--recompute", nargs="*", default=[], metavar="PATTERN",
-                   choices=["gelu", "attn_dropout", "transformer_layers"],
-                   help="recompute patterns (the reference's gelu_recompute, "
-                        "attn_dropout_recompute, transformer_layer_recompute)")
-    p.add_argument("--recompute-layers", type=int, default=0,
-                   help="number_recompute_layers (0: all layers but the last)")
-    p.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
-                   help="recompute planner: bytes of activations the backward may keep")
-    p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
-                   help="a value for a symbolic dimension, to size tensors (repeatable)")
-    p.add_argument("--cast-level", type=int, default=-1,
-                   help="propagate_cast_ops level 0/1/2 (default -1: off)")
-    p.add_argument("--cast-strategy", default="FLOOD_FILL",
-                   choices=["NONE", "INSERT_AND_REDUCE", "FLOOD_FILL"])
-    p.add_argument("--cast-allow", nargs="*", default=[], metavar="OP",
-                   help="propagate_cast_ops allow list (op types)")
-    p.add_argument("--mixed-precision", choices=["float16", "bfloat16"], default=None,
-                   help="fp16/bf16 compute with fp32 master weights")
+    add_pass_arguments(p)
     p.set_defaults(func=run)
     return p
-
-
-def _dims(values: list[str]) -> dict[str, int]:
-    dims = {}
-    for item in values:
-        name, sep, value = item.partition("=")
-        if not sep or not name or not value.isdigit() or int(value) < 1:
-            raise InputError(f"--dim {item!r}: expected NAME=VALUE with a positive integer VALUE")
-        dims[name] = int(value)
-    return dims
 
 
 def config_from_args(args: argparse.Namespace) -> object:
@@ -75,19 +54,7 @@ def config_from_args(args: argparse.Namespace) -> object:
     from passes.optimizer import config_type
     from passes.optimizer.optimizer_pass import UpdateOptions
 
-    dims = _dims(args.dim)
-    recompute = None
-    if args.recompute or args.memory_budget is not None:
-        from passes.recompute import RecomputeOptions
-
-        try:
-            recompute = RecomputeOptions(
-                gelu="gelu" in args.recompute, attn_dropout="attn_dropout" in args.recompute,
-                transformer_layers="transformer_layers" in args.recompute,
-                number_recompute_layers=args.recompute_layers, memory_budget=args.memory_budget,
-                dims=tuple(sorted(dims.items())))
-        except ValueError as exc:
-            raise InputError(f"recompute options: {exc}") from exc
+    groups = pass_groups(args)
     try:
         weights = weights_arg(args.weights)
         return opts.TrainingConfig(
@@ -95,11 +62,7 @@ def config_from_args(args: argparse.Namespace) -> object:
             weights_to_train=None if weights is None else tuple(weights),
             weights_not_to_train=tuple(args.freeze), loss_reduction=args.reduce,
             update=UpdateOptions(accumulation_steps=args.accumulate, max_grad_norm=args.clip),
-            graph_transformer=opts.GraphTransformerOptions(
-                cleanup=args.cleanup, recompute=recompute,
-                propagate_cast_ops=opts.CastPropagationConfig(
-                    opts.CastStrategy[args.cast_strategy], args.cast_level, tuple(args.cast_allow))),
-            mixed_precision=opts.MixedPrecisionConfig(dtype=args.mixed_precision))
+            **groups)  # type: ignore[arg-type]
     except ValueError as exc:
         raise InputError(str(exc)) from exc
 
@@ -122,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     config = dataclasses.replace(config, debug=dataclasses.replace(  # type: ignore[type-var]
         config.debug, save_stages=str(out)))  # type: ignore[attr-defined]
     artifacts = build_training_artifacts(args.model, config)  # type: ignore[arg-type]
-    text = summary_text(artifacts, _dims(args.dim))
+    text = summary_text(artifacts, dims_arg(args.dim))
     atomic_write_bytes(out / "summary.txt", text.encode())
     sys.stdout.write(text)
     stages = sorted(p.name for p in out.glob("*.onnx"))

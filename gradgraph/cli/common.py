@@ -54,3 +54,67 @@ def main_for(add_parser: object, argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="gradgraph")
     add_parser(parser.add_subparsers(dest="command", required=True))  # type: ignore[operator]
     return run_command(parser.parse_args(argv))
+
+
+def add_pass_arguments(p: argparse.ArgumentParser) -> None:
+    """The graph-transform options shared by ``build`` and ``train``."""
+    p.add_argument("--cleanup", action="store_true",
+                   help="run the clean-up passes (dead code, CSE, folding, identities)")
+    p.add_argument("--recompute", nargs="*", default=[], metavar="PATTERN",
+                   choices=["gelu", "attn_dropout", "transformer_layers"],
+                   help="recompute patterns (the reference's gelu_recompute, "
+                        "attn_dropout_recompute, transformer_layer_recompute)")
+    p.add_argument("--recompute-layers", type=int, default=0,
+                   help="number_recompute_layers (0: all layers but the last)")
+    p.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
+                   help="recompute planner: bytes of activations the backward may keep")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
+                   help="a value for a symbolic dimension, to size tensors (repeatable)")
+    p.add_argument("--cast-level", type=int, default=-1,
+                   help="propagate_cast_ops level 0/1/2 (default -1: off)")
+    p.add_argument("--cast-strategy", default="FLOOD_FILL",
+                   choices=["NONE", "INSERT_AND_REDUCE", "FLOOD_FILL"])
+    p.add_argument("--cast-allow", nargs="*", default=[], metavar="OP",
+                   help="propagate_cast_ops allow list (op types)")
+    p.add_argument("--mixed-precision", choices=["float16", "bfloat16"], default=None,
+                   help="fp16/bf16 compute with fp32 master weights (fp16: dynamic loss scaling)")
+
+
+def dims_arg(values: list[str]) -> dict[str, int]:
+    """``--dim NAME=VALUE`` flags as a dict (a user error names the bad flag)."""
+    dims = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value.isdigit() or int(value) < 1:
+            raise InputError(f"--dim {item!r}: expected NAME=VALUE with a positive integer VALUE")
+        dims[name] = int(value)
+    return dims
+
+
+def pass_groups(args: argparse.Namespace) -> dict[str, object]:
+    """``graph_transformer`` and ``mixed_precision`` groups of a TrainingConfig from the flags."""
+    from gradgraph.training import options as opts
+
+    recompute = None
+    if args.recompute or args.memory_budget is not None:
+        from passes.recompute import RecomputeOptions
+
+        try:
+            recompute = RecomputeOptions(
+                gelu="gelu" in args.recompute, attn_dropout="attn_dropout" in args.recompute,
+                transformer_layers="transformer_layers" in args.recompute,
+                number_recompute_layers=args.recompute_layers, memory_budget=args.memory_budget,
+                dims=tuple(sorted(dims_arg(args.dim).items())))
+        except ValueError as exc:
+            raise InputError(f"recompute options: {exc}") from exc
+    try:
+        return {
+            "graph_transformer": opts.GraphTransformerOptions(
+                cleanup=args.cleanup, recompute=recompute,
+                propagate_cast_ops=opts.CastPropagationConfig(
+                    opts.CastStrategy[args.cast_strategy], args.cast_level,
+                    tuple(args.cast_allow))),
+            "mixed_precision": opts.MixedPrecisionConfig(dtype=args.mixed_precision),
+        }
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc

@@ -20,7 +20,13 @@ import onnx
 import onnx_ir as ir
 from tqdm import tqdm
 
-from gradgraph.cli.common import add_list_weights, list_weights, main_for
+from gradgraph.cli.common import (
+    add_list_weights,
+    add_pass_arguments,
+    list_weights,
+    main_for,
+    pass_groups,
+)
 from gradgraph.feeds import InputError, load_npz
 from gradgraph.io import atomic_write_bytes
 from gradgraph.training.schedules import KINDS, Schedule
@@ -93,6 +99,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--resume", action="store_true", help="continue from CHECKPOINT_DIR's checkpoint")
     p.add_argument("--save-stages", default=None, metavar="DIR",
                    help="also save each build stage's model in DIR")
+    add_pass_arguments(p)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="execution provider (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -208,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         config = TrainingConfig(args.loss, _optimizer(args), weights_not_to_train=tuple(args.freeze),
                                 loss_reduction=args.reduce, update=UpdateOptions(
                                     groups=groups, accumulation_steps=args.accumulate,
-                                    max_grad_norm=args.clip))
+                                    max_grad_norm=args.clip), **pass_groups(args))  # type: ignore[arg-type]
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if args.device == "cuda" \

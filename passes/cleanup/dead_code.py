@@ -4,8 +4,9 @@ onnx_ir's pass removes (1) nodes none of whose outputs is used or a graph output
 graph, (2) unused optional outputs and trailing empty inputs of the nodes kept, and (3) every
 initializer nothing reads. (3) would drop a trainable weight that does not reach an output,
 and with it a slot of the model's state, so here unused initializers are put back, in their
-order, unless ``remove_unused_initializers``. ``modified`` compares the model's structure
-before and after (onnx_ir's flag would count the initializers put back).
+order, unless ``remove_unused_initializers``. (2) would drop the mask output of a main-graph
+training-mode Dropout, which its gradient reuses: named masks are put back. ``modified``
+compares the model's structure before and after (onnx_ir's flag would count what is put back).
 """
 
 from __future__ import annotations
@@ -25,7 +26,18 @@ class DeadCodeEliminationPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
         before = fingerprint(model)
         initializers = list(model.graph.initializers.items())
-        RemoveUnusedNodesPass()(model)
+        # Dropout masks are held as graph outputs while onnx_ir's pass runs (it drops unused
+        # optional outputs), so the very same values stay
+        masks = [node.outputs[1] for node in model.graph
+                 if node.op_type == "Dropout" and node.domain in ("", "ai.onnx")
+                 and len(node.outputs) > 1 and node.outputs[1].name
+                 and not node.outputs[1].is_graph_output()]
+        model.graph.outputs.extend(masks)
+        try:
+            RemoveUnusedNodesPass()(model)
+        finally:
+            for mask in masks:
+                model.graph.outputs.remove(mask)
         if not self.remove_unused_initializers:
             kept = model.graph.initializers
             if len(kept) != len(initializers):
