@@ -5,7 +5,7 @@ graph, (2) unused optional outputs and trailing empty inputs of the nodes kept, 
 initializer nothing reads. (3) would drop a trainable weight that does not reach an output,
 and with it a slot of the model's state, so here unused initializers are put back, in their
 order, unless ``remove_unused_initializers``. (2) would drop the mask output of a main-graph
-training-mode Dropout, which its gradient reuses: named masks are put back. ``modified``
+training-mode Dropout, which its gradient reuses: named masks are kept. ``modified``
 compares the model's structure before and after (onnx_ir's flag would count what is put back).
 """
 
