@@ -82,11 +82,36 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
     return _from_proto(proto, f"model file {str(path)!r}")
 
 
+TEMP_SUFFIX = ".tmp"
+
+
+def temp_prefix(target: Path) -> str:
+    """The name prefix of ``target``'s temp files (``.<name>.`` + a random part + ``.tmp``)."""
+    return f".{target.name}."
+
+
+def remove_stale_temps(target: str | os.PathLike) -> list[Path]:
+    """Delete temp files a killed write of ``target`` left beside it; returns them.
+
+    Only files named like :func:`atomic_write_bytes`' temp files of that very target are
+    touched; call it when no other process writes ``target``.
+    """
+    target = Path(target)
+    if not target.parent.is_dir():
+        return []
+    stale = [p for p in target.parent.glob(temp_prefix(target) + "*" + TEMP_SUFFIX)
+             if p.is_file() and not p.is_symlink()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to a temp file beside ``path``, fsync, then rename over it."""
+    """Write ``data`` to a temp file beside ``path`` (a new, unique name: never a file or link
+    that exists), fsync, rename over ``path``, then fsync the folder."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -96,6 +121,21 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(target.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename durable (POSIX); a no-op where folders cannot be opened (Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 # protobuf cannot serialize a message of 2 GiB or more: larger models keep weights beside them.

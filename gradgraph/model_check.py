@@ -7,7 +7,11 @@ A malformed graph must be refused with a clear error, not hang or crash deep in 
 2. a cycle among the nodes of the main graph (names the nodes on it);
 3. an initializer whose data does not hold ``prod(dims)`` elements (raw or typed fields);
 4. an initializer claiming more than :data:`MAX_ELEMENTS` elements;
-5. a default-domain node whose op ONNX does not define.
+5. a default-domain node whose op ONNX does not define;
+6. a tensor whose data is still external (an initializer or Constant pointing at a file): a
+   model given as a path has its external data loaded by ``onnx.load``, which only reads files
+   inside the model's folder; one given as bytes, a ModelProto or an onnx_ir Model has no
+   folder to check against, so its external data is refused (give the model's path instead).
 
 Subgraphs (If/Loop/Scan bodies) are checked for 1 and 3 too.
 """
@@ -37,7 +41,12 @@ def _tensor_problem(t: TensorProto) -> str | None:
     n = math.prod(t.dims)
     if n > MAX_ELEMENTS:
         return f"claims {n:,} elements (over the {MAX_ELEMENTS:,} limit)"
-    if t.data_location == TensorProto.EXTERNAL or t.data_type in (TensorProto.STRING,
+    if t.data_location == TensorProto.EXTERNAL:
+        where = next((e.value for e in t.external_data if e.key == "location"), "?")
+        return (f"keeps its data in an external file ({where!r}); gradgraph reads external data "
+                "only through a model file path (onnx checks it stays inside the model's "
+                "folder): pass the path of the .onnx file")
+    if t.data_type in (TensorProto.STRING,
                                                                    TensorProto.UNDEFINED):
         return None
     if t.HasField("raw_data"):
@@ -66,8 +75,9 @@ def _check_graph(graph: onnx.GraphProto, source: str, top: bool) -> None:
     for t in graph.initializer:
         problem = _tensor_problem(t)
         if problem:
-            raise GradientError(f"{source}: initializer {t.name!r} {problem}; the file is damaged "
-                                "or was written by a broken exporter")
+            hint = "" if "external" in problem else ("; the file is damaged or was written by a "
+                                                     "broken exporter")
+            raise GradientError(f"{source}: initializer {t.name!r} {problem}{hint}")
         produced.setdefault(t.name, "an initializer")
     for index, node in enumerate(graph.node):
         for out in node.output:
@@ -82,6 +92,11 @@ def _check_graph(graph: onnx.GraphProto, source: str, top: bool) -> None:
                                     "which is also an initializer")
             produced[out] = f"node {_label(node, index)}"
         for attr in node.attribute:
+            tensors = ([attr.t] if attr.HasField("t") else []) + list(attr.tensors)
+            problem = next((p for p in map(_tensor_problem, tensors) if p), None)
+            if problem:
+                raise GradientError(f"{source}: attribute {attr.name!r} of node "
+                                    f"{_label(node, index)} {problem}")
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 _check_graph(sub, source, top=False)
     for index, node in enumerate(graph.node):

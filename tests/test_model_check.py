@@ -66,3 +66,41 @@ def test_well_formed_unsorted_graph_is_accepted() -> None:
     model = _model([h.make_node("Relu", ["t"], ["a"]), h.make_node("Tanh", ["x"], ["t"])])
     grad = build_gradient_graph(model, "a", ["x"], loss_reduction="sum")
     assert any(o.name == "x_grad" for o in grad.graph.output)
+
+
+def _external_model(location: str) -> onnx.ModelProto:
+    w = onnx.TensorProto(name="w", data_type=T.FLOAT, dims=[2], data_location=T.EXTERNAL)
+    entry = w.external_data.add()
+    entry.key, entry.value = "location", location
+    return _model([h.make_node("Mul", ["x", "w"], ["a"])], [w])
+
+
+def test_external_data_of_bytes_or_protos_is_never_read(tmp_path) -> None:
+    """A model given as bytes / ModelProto has no folder: external data anywhere is refused,
+    before anything reads the file it points at."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(2, dtype=np.float32).tobytes())
+    for location in (str(secret), "../secret.bin", "secret.bin"):
+        model = _external_model(location)
+        for given in (model, model.SerializeToString()):
+            with pytest.raises(GradientError, match="external file.*pass the path of the .onnx"):
+                build_gradient_graph(given, "a", ["w"], loss_reduction="sum")
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path) -> None:
+    (tmp_path / "secret.bin").write_bytes(np.arange(2, dtype=np.float32).tobytes())
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for location in ("../secret.bin", str(tmp_path / "secret.bin")):
+        path = folder / "m.onnx"
+        onnx.save(_external_model(location), str(path))
+        with pytest.raises(GradientError, match="m.onnx"):
+            build_gradient_graph(str(path), "a", ["w"], loss_reduction="sum")
+
+
+def test_external_data_inside_the_model_folder_loads(tmp_path) -> None:
+    (tmp_path / "weights.bin").write_bytes(np.array([2.0, 3.0], np.float32).tobytes())
+    path = tmp_path / "m.onnx"
+    onnx.save(_external_model("weights.bin"), str(path))
+    grad = build_gradient_graph(str(path), "a", ["w"], loss_reduction="sum")
+    assert any(o.name == "w_grad" for o in grad.graph.output)

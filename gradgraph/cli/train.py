@@ -28,7 +28,7 @@ from gradgraph.cli.common import (
     pass_groups,
 )
 from gradgraph.feeds import InputError, load_npz
-from gradgraph.io import atomic_write_bytes
+from gradgraph.io import atomic_write_bytes, remove_stale_temps
 from gradgraph.training.schedules import KINDS, Schedule
 from passes.optimizer import config_type
 
@@ -146,6 +146,10 @@ def _checkpoint_dir(args: argparse.Namespace) -> Path | None:
             pass
     except OSError as exc:
         raise InputError(f"--checkpoint-dir {str(path)!r} is not a writable folder: {exc.strerror or exc}") from exc
+    for name in (CHECKPOINT_NAME, CURVE_NAME, INFERENCE_NAME):  # left by a killed earlier run
+        for stale in remove_stale_temps(path / name):
+            print(f"gradgraph train: removed {stale.name}, left by an interrupted save",
+                  file=sys.stderr)
     return path
 
 
