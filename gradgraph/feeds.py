@@ -61,7 +61,7 @@ def load_npz(path: str, what: str = "inputs file") -> dict[str, np.ndarray]:
     if not Path(path).is_file():
         raise InputError(f"{what} {path!r} does not exist")
     try:
-        with np.load(path) as data:
+        with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
     except Exception as exc:  # noqa: BLE001 - numpy raises several types
         raise InputError(f"{what} {path!r} is not a readable .npz archive: {exc}") from exc
