@@ -31,7 +31,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import PEER  # noqa: E402 - tools/ is not a package
+from bench_training import _run_child  # noqa: E402 - tools/ is not a package
+from timing import PEER  # noqa: E402
 
 CONFIGS = ("none", "layers", "planner50")
 ORDERS = ("default", "priority")
@@ -144,15 +144,6 @@ def _clones_in_forward(profile: str, roles: dict[str, str]) -> int:
             break
         early += role == "recompute"
     return early
-
-
-def _run_child(argv: list[str], timeout: int = 1800) -> dict:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])
-    return {"ok": False, "error": f"rc={proc.returncode}: {tail[:600]}"}
 
 
 def _ort_training(name: str, out_dir: str, venv: Path) -> dict:

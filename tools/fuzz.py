@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import random
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +35,20 @@ from gradgraph import GradientError, build_gradient_graph  # noqa: E402
 
 class CaseTimeout(Exception):
     pass
+
+
+@contextlib.contextmanager
+def alarms() -> Iterator[None]:
+    """SIGALRM raises CaseTimeout while inside (each case arms ``signal.alarm`` itself)."""
+    def alarm(signum: int, frame: object) -> None:
+        raise CaseTimeout()
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def mutate(data: bytes, rng: random.Random) -> bytes:
@@ -55,12 +71,7 @@ def fuzz(model: bytes, loss: str, cases: int, seed: int = 0,
     rng = random.Random(seed)
     counts: collections.Counter[str] = collections.Counter()
     findings: list[str] = []
-
-    def alarm(signum: int, frame: object) -> None:
-        raise CaseTimeout()
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    try:
+    with alarms():
         for case in range(cases):
             data = mutate(model, rng)
             signal.alarm(timeout)
@@ -77,8 +88,6 @@ def fuzz(model: bytes, loss: str, cases: int, seed: int = 0,
                 findings.append(f"case {case}: {type(exc).__name__}: {str(exc)[:200]}")
             finally:
                 signal.alarm(0)
-    finally:
-        signal.signal(signal.SIGALRM, previous)
     return counts, findings
 
 
@@ -123,7 +132,6 @@ def random_arguments(rng: random.Random, model: str, data: str, out: str) -> lis
 def fuzz_arguments(model: str, data: str, cases: int, seed: int = 0,
                    timeout: int = 60) -> tuple[collections.Counter[str], list[str]]:
     """(exit-status counts, findings) of ``cases`` random command lines (see the docstring)."""
-    import contextlib
     import io
     import tempfile
 
@@ -132,12 +140,7 @@ def fuzz_arguments(model: str, data: str, cases: int, seed: int = 0,
     rng = random.Random(seed)
     counts: collections.Counter[str] = collections.Counter()
     findings: list[str] = []
-
-    def alarm(signum: int, frame: object) -> None:
-        raise CaseTimeout()
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    try:
+    with alarms():
         for case in range(cases):
             with tempfile.TemporaryDirectory() as out:
                 argv = random_arguments(rng, model, data, out)
@@ -159,8 +162,6 @@ def fuzz_arguments(model: str, data: str, cases: int, seed: int = 0,
                 counts[f"exit {code}"] += 1
                 if code not in (0, 1, 2, 3) or "Traceback" in sink.getvalue():
                     findings.append(f"case {case}: exit {code}: {sink.getvalue()[-300:]}: {argv}")
-    finally:
-        signal.signal(signal.SIGALRM, previous)
     return counts, findings
 
 
