@@ -225,37 +225,25 @@ def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
 
 def training_stage(config: TrainingConfig, apply: bool) -> Stage:
     """Held tensors become inputs; the optimizer (``apply``) or only accumulation is added."""
-    loss = _LossLookup(config.loss)
-    passes = [ParamsToInputsPass(), loss, _OptimizerFromIR(config, apply, loss), FinishPass()]
+    passes = [ParamsToInputsPass(), _OptimizerFromIR(config, apply), FinishPass()]
     if apply:
         return Stage("training", passes, config.debug.graph_save_paths.model_with_training_graph_path)
     return Stage("accumulate", passes)
 
 
-class _LossLookup(InPlacePass):
-    """Finds the loss output (the optimizer checks it is finite)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name = name
-        self.value: ir.Value | None = None
-
-    def call(self, model: ir.Model) -> PassResult:
-        self.value = next((v for v in model.graph.outputs if v.name == self.name), None)
-        return PassResult(model, False)
-
-
 class _OptimizerFromIR(InPlacePass):
-    """OptimizerPass over the gradient outputs the gradient stage marked."""
+    """OptimizerPass over the gradient outputs the gradient stage marked (the loss output is
+    checked for finiteness with the update)."""
 
-    def __init__(self, config: TrainingConfig, apply: bool, loss: _LossLookup) -> None:
+    def __init__(self, config: TrainingConfig, apply: bool) -> None:
         super().__init__()
-        self.config, self.apply, self.loss = config, apply, loss
+        self.config, self.apply = config, apply
 
     def call(self, model: ir.Model) -> PassResult:
         gradients = gradient_outputs(model.graph)
+        loss = next((v for v in model.graph.outputs if v.name == self.config.loss), None)
         return OptimizerPass(self.config.optimizer_settings(), gradients, apply=self.apply,
-                             loss=self.loss.value)(model)
+                             loss=loss)(model)
 
 
 def _check_config(config: TrainingConfig, model: ir.Model) -> list[str] | None:
