@@ -102,6 +102,7 @@ def test_build_command_writes_stages_and_summary(tiny, tmp_path: Path) -> None:
     for stage in ("forward", "graph_transforms", "gradient", "recompute", "training", "eval"):
         assert f" {stage} (" in summary
     assert "activations kept for the backward" in summary
+    assert "before recompute the backward kept" in summary
     recompute_line = next(line for line in summary.splitlines() if " recompute (" in line)
     assert "changed" in recompute_line and "+" in recompute_line
 

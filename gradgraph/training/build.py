@@ -84,6 +84,8 @@ class TrainingArtifacts:
     reports: list[StageReport] = dataclasses.field(default_factory=list)
     # The model after the recompute stage (forward + backward), for activation analyses.
     gradient: onnx.ModelProto | None = None
+    # (known bytes, tensors of symbolic size) the backward kept before recompute (when on).
+    stash_before_recompute: tuple[int, int] | None = None
 
     @property
     def params(self) -> list[str]:
@@ -275,6 +277,7 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
     trained_set = TrainedSetPass(set(config.weights_not_to_train), config.names.out_suffix)
     pipeline = training_pipeline(config, wanted, trained_set, providers=providers)
     kept: dict[str, onnx.ModelProto] = {}
+    before: list[tuple[int, int]] = []
     feeds: list[str] = []
     outputs: list[str] = []
 
@@ -287,6 +290,10 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
                 raise GradientError(f"loss {config.loss!r} is not a graph output (outputs: {outputs})")
         if stage.name in ("graph_transforms", "recompute"):
             kept[stage.name] = ir.to_proto(m)
+        if stage.name == "gradient" and config.graph_transformer.recompute is not None:
+            from passes.recompute import total_stash_bytes
+
+            before.append(total_stash_bytes(m, dict(config.graph_transformer.recompute.dims)))
 
     stages, training = pipeline.stages[:-1], pipeline.stages[-1]
     front = Pipeline(stages)
@@ -315,7 +322,7 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
               for w in trained_set.trained}
     return TrainingArtifacts(train, accumulate, eval_model, config, trained_set.trained,
                              trained_set.frozen, trained_set.buffers, to_inputs.values, states,
-                             feeds, outputs, reports, kept["recompute"])
+                             feeds, outputs, reports, kept["recompute"], before[0] if before else None)
 
 
 def inference_model(artifacts: TrainingArtifacts, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:

@@ -56,6 +56,10 @@ def summary_text(artifacts: TrainingArtifacts, dims: Mapping[str, int] | None = 
         lines.append(f"{index:02d} {report.name} ({state}; {sum(report.after.values())} nodes): "
                      f"{report.changes()}")
     lines.append("")
+    if artifacts.stash_before_recompute is not None:
+        known, symbolic = artifacts.stash_before_recompute
+        lines.append(f"before recompute the backward kept {_human(known)}"
+                     + (f" (+{symbolic} tensors of symbolic size)" if symbolic else ""))
     if artifacts.gradient is not None:
         lines += stash_lines(artifacts.gradient, dims)
     lines.append("")
