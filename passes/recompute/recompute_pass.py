@@ -291,7 +291,34 @@ class RecomputePass(InPlacePass):
                               stacklevel=2)
             chosen = tuple(nodes[n] for n in problem.nodes if n in plan.recomputed)
             made += apply_groups(graph, [RecomputeGroup("planner", chosen)], "planner")
+        if made:
+            _unique_clone_names(graph)
         return PassResult(model, made > 0)
+
+
+def _unique_clone_names(graph: ir.Graph) -> None:
+    """Give clone outputs (and clone nodes) names no other value (node) of the graph has: a value
+    cloned by two groups, or a model already holding ``<x>_recompute``, would repeat one."""
+    clones = [n for n in graph if role_of(n) == Role.RECOMPUTE]
+    ids = {id(n) for n in clones}
+    values = {v.name for v in graph.inputs} | set(graph.initializers)
+    values |= {o.name for n in graph if id(n) not in ids for o in n.outputs if o.name}
+    nodes = {n.name for n in graph if id(n) not in ids and n.name}
+    for node in clones:
+        node.name = _free(node.name, nodes) if node.name else node.name
+        for out in node.outputs:
+            if out.name:
+                out.name = _free(out.name, values)
+
+
+def _free(name: str, taken: set[str]) -> str:
+    """``name``, or ``name_1``, ``name_2`` ... when taken; the result is added to ``taken``."""
+    candidate, k = name, 0
+    while candidate in taken:
+        k += 1
+        candidate = f"{name}_{k}"
+    taken.add(candidate)
+    return candidate
 
 
 class GeluRecomputePass(RecomputePass):
