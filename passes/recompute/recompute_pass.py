@@ -301,7 +301,7 @@ def _unique_clone_names(graph: ir.Graph) -> None:
     cloned by two groups, or a model already holding ``<x>_recompute``, would repeat one."""
     clones = [n for n in graph if role_of(n) == Role.RECOMPUTE]
     ids = {id(n) for n in clones}
-    values = {v.name for v in graph.inputs} | set(graph.initializers)
+    values: set[str] = {v.name for v in graph.inputs if v.name} | set(graph.initializers)
     values |= {o.name for n in graph if id(n) not in ids for o in n.outputs if o.name}
     nodes = {n.name for n in graph if id(n) not in ids and n.name}
     for node in clones:
