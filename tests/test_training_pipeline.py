@@ -131,3 +131,48 @@ def test_loss_scale_without_mixed_precision_is_refused() -> None:
     params.loss_scale = 128.0
     with pytest.raises(ValueError, match="use_mixed_precision"):
         params.to_config()
+
+
+def test_gradient_and_optimizer_passes_are_idempotent(mlp_model: bytes) -> None:
+    """A second GradientPass / OptimizerPass on their own result changes nothing."""
+    import onnx_ir as ir
+
+    from passes.autodiff.gradient_pass import GradientPass
+    from passes.forward.params_to_inputs import ParamsToInputsPass
+    from passes.forward.prepare import PrepareForGradientPass
+    from passes.marks import gradient_outputs
+    from passes.optimizer.optimizer_pass import OptimizerPass, OptimizerSettings
+
+    model = PrepareForGradientPass()(ir.from_proto(onnx.load_from_string(mlp_model))).model
+    first = GradientPass("loss")
+    assert first(model).modified
+    count = len(model.graph)
+    again = GradientPass("loss")
+    assert not again(model).modified and len(model.graph) == count
+    assert again.gradients == first.gradients
+    ParamsToInputsPass(list(first.gradients))(model)
+    settings = OptimizerSettings(SGDConfig())
+    assert OptimizerPass(settings, gradient_outputs(model.graph))(model).modified
+    count, inputs = len(model.graph), len(model.graph.inputs)
+    assert not OptimizerPass(settings, {})(model).modified
+    assert (len(model.graph), len(model.graph.inputs)) == (count, inputs)
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+
+
+def test_gradient_of_another_loss_is_still_built() -> None:
+    """Idempotence is per loss: a graph holding d a / d w still gets d b / d w."""
+    import onnx_ir as ir
+
+    from passes.autodiff.gradient_pass import GradientPass
+
+    model = ir.from_onnx_text('''<ir_version: 9, opset_import: ["" : 18]>
+g (float[3] x) => (float a, float b) <float[3] w = {1, 2, 3}> {
+ y = Mul (x, w)
+ a = ReduceSum <keepdims=0> (y)
+ t = Tanh (y)
+ b = ReduceSum <keepdims=0> (t)
+}''')
+    assert GradientPass("a", ["w"])(model).modified
+    second = GradientPass("b", ["w"])
+    assert second(model).modified
+    assert second.gradients["w"].name == "w_grad_1"

@@ -24,7 +24,9 @@ gradient values from ``GradientPass``:
    (whatever ``skip_non_finite`` says), and the scale and its ``stable_steps`` counter are
    updated (see :class:`LossScaleSettings`).
 
-Scalar outputs carry their role in ``metadata_props`` (:class:`passes.marks.OutputRole`).
+Scalar outputs carry their role in ``metadata_props`` (:class:`passes.marks.OutputRole`). The
+graph records that it has an optimizer part (graph metadata ``gradgraph.optimizer``); a second
+run leaves such a graph alone.
 
 Every state input ``X`` that changes has the output ``X.out``; runtimes bind one to the other.
 """
@@ -41,6 +43,9 @@ from onnx_ir.passes import InPlacePass, PassResult
 from passes.autodiff.builder import OpBuilder, Var
 from passes.marks import OUTPUT_KEY, STAGE_KEY, OutputRole, Role
 from passes.optimizer import ParamGroup, StepScalars, resolve, rule_for
+
+# Graph metadata: the graph has its optimizer part ("apply") or accumulation part ("accumulate").
+OPTIMIZER_KEY = "gradgraph.optimizer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +153,9 @@ class OptimizerPass(InPlacePass):
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
+        if OPTIMIZER_KEY in graph.metadata_props:
+            return PassResult(model, False)
+        graph.metadata_props[OPTIMIZER_KEY] = "apply" if self.apply else "accumulate"
         opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 13)
         b = OpBuilder(opset, dict(model.opset_imports))
         b.prefix = "optimizer"
