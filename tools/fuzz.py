@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import os
 import random
 import signal
 import sys
@@ -146,6 +147,8 @@ def fuzz_arguments(model: str, data: str, cases: int, seed: int = 0,
                 argv = random_arguments(rng, model, data, out)
                 sink = io.StringIO()
                 signal.alarm(timeout)
+                here = os.getcwd()
+                os.chdir(out)  # a random value after -o / --save-stages is a relative path
                 try:
                     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
                         code = cli_main(argv)
@@ -159,6 +162,7 @@ def fuzz_arguments(model: str, data: str, cases: int, seed: int = 0,
                     continue
                 finally:
                     signal.alarm(0)
+                    os.chdir(here)
                 counts[f"exit {code}"] += 1
                 if code not in (0, 1, 2, 3) or "Traceback" in sink.getvalue():
                     findings.append(f"case {case}: exit {code}: {sink.getvalue()[-300:]}: {argv}")
