@@ -392,3 +392,10 @@ def export(model_name: str, exporter: str, mode: str, path: str) -> tuple[str, s
             raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
     proto = onnx.load(path)
     return path, LOSS, _map_parameters(proto, values)
+
+
+def export_with_feeds(model_name: str, exporter: str, mode: str, path: str) -> dict[str, np.ndarray]:
+    """Export as :func:`export` does and return the model's fixed batch as feeds by input name."""
+    export(model_name, exporter, mode, path)
+    _, batch, names = build(model_name, mode)
+    return {n: t.numpy() for n, t in zip(names, batch)}

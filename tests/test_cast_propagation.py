@@ -346,11 +346,10 @@ def test_rejected_ops_stay_fp32():
 def bert(tmp_path_factory):
     model_zoo = pytest.importorskip("model_zoo")
     path = str(tmp_path_factory.mktemp("bert") / "bert.onnx")
-    model_zoo.export("bert", "legacy", "eval", path)
-    _, batch, names = model_zoo.build("bert", "eval")
+    feeds = model_zoo.export_with_feeds("bert", "legacy", "eval", path)
     model = ir.load(path)
     MixedPrecisionPass()(model)
-    return ir.to_proto(model), {n: t.numpy() for n, t in zip(names, batch)}, onnx.load(path)
+    return ir.to_proto(model), feeds, onnx.load(path)
 
 
 @pytest.mark.parametrize("level", [0, 1, 2])

@@ -280,9 +280,8 @@ def test_kernel_predicate():
 def bert(tmp_path_factory):
     model_zoo = pytest.importorskip("model_zoo")
     path = str(tmp_path_factory.mktemp("bert") / "bert.onnx")
-    model_zoo.export("bert", "legacy", "eval", path)
-    _, batch, names = model_zoo.build("bert", "eval")
-    return onnx.load(path), {n: t.numpy() for n, t in zip(names, batch)}
+    feeds = model_zoo.export_with_feeds("bert", "legacy", "eval", path)
+    return onnx.load(path), feeds
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -23,9 +23,8 @@ CURVE_RTOL = 0.02
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, np.ndarray]]:
     model_zoo = pytest.importorskip("model_zoo")
     path = str(tmp_path_factory.mktemp("bert") / "bert.onnx")
-    model_zoo.export("bert", "legacy", "eval", path)
-    _, batch, names = model_zoo.build("bert", "eval")
-    return path, {n: t.numpy() for n, t in zip(names, batch)}
+    feeds = model_zoo.export_with_feeds("bert", "legacy", "eval", path)
+    return path, feeds
 
 
 def _curve(path: str, feeds: dict[str, np.ndarray], dtype: str | None,

@@ -49,9 +49,8 @@ def export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     model_zoo = pytest.importorskip("model_zoo")
     name, exporter = request.param
     path = str(tmp_path_factory.mktemp(name) / f"{name}.onnx")
-    model_zoo.export(name, exporter, "train_p0", path)
-    _, batch, names = model_zoo.build(name, "train_p0")
-    return onnx.load(path), {n: t.numpy() for n, t in zip(names, batch)}
+    feeds = model_zoo.export_with_feeds(name, exporter, "train_p0", path)
+    return onnx.load(path), feeds
 
 
 @pytest.mark.slow

@@ -28,9 +28,8 @@ def tiny(request: pytest.FixtureRequest,
     """A BERT- or GPT-2-style export in train mode (dropout nodes present, p = 0)."""
     model_zoo = pytest.importorskip("model_zoo")
     path = str(tmp_path_factory.mktemp(request.param) / f"{request.param}.onnx")
-    model_zoo.export(request.param, "legacy", "train_p0", path)
-    _, batch, names = model_zoo.build(request.param, "train_p0")
-    return path, {n: t.numpy() for n, t in zip(names, batch)}
+    feeds = model_zoo.export_with_feeds(request.param, "legacy", "train_p0", path)
+    return path, feeds
 
 
 def _params(**props: object) -> gradgraph.TrainingParameters:
