@@ -1,0 +1,183 @@
+"""Split a forward+backward graph into a forward model and a backward model.
+
+The two models run one after the other, as ORTModule runs its graph on both sides of the
+YieldOp: the forward returns the model's outputs and the activations the backward keeps; the
+backward takes those activations (and whatever inputs it reads) and returns the gradients.
+
+Where the cut goes is read from the node marks (:mod:`passes.marks`), never from names:
+
+1. the backward side is every node marked backward, recompute or optimizer, and every node that
+   reads a value the backward side produces (so a cast of a gradient goes with the backward);
+2. the forward side is every other node; it reads graph inputs, initializers and its own values
+   only, so it runs alone;
+3. the forward's outputs are the graph outputs it produces, then the *stash*: every value it
+   produces that a backward-side node reads, in node order (the boundary the memory
+   optimizer of onnxruntime-training and torch's partitioner call saved activations). A
+   ``Constant`` the backward reads is copied into the backward rather than stashed;
+4. the backward's inputs are the stash, the forward graph outputs it reads (the loss, for loss
+   scaling), then the graph inputs it reads; its outputs are the graph outputs the backward side
+   produces. Each side keeps the initializers it reads (a copy when both read one: make weights
+   inputs first, :class:`passes.forward.ParamsToInputsPass`, to share them).
+
+The split is exact: running the forward, then the backward on the forward's stash, gives the
+same values as running the whole graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+
+from passes.marks import Role, role_of
+
+BACKWARD_SIDE = frozenset({Role.BACKWARD, Role.RECOMPUTE, Role.OPTIMIZER})
+SPLIT_KEY = "gradgraph.split"
+
+
+class SplitError(ValueError):
+    """The graph cannot be split (no backward node, or a forward output the backward produces)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardBackwardSplit:
+    """The two models and how their values connect."""
+
+    forward: ir.Model
+    backward: ir.Model
+    #: forward outputs that are the model's own outputs (graph outputs made by the forward)
+    user_outputs: tuple[str, ...]
+    #: forward outputs kept for the backward (activations), in the forward's output order
+    stashed: tuple[str, ...]
+    #: backward inputs that come from the forward (stash first, then user outputs it reads)
+    from_forward: tuple[str, ...]
+    #: backward inputs fed by the caller (graph inputs the backward reads)
+    from_caller: tuple[str, ...]
+
+
+def _is_constant(node: ir.Node) -> bool:
+    return node.op_type == "Constant" and node.domain in ("", "ai.onnx") and not node.inputs
+
+
+def backward_side(graph: ir.Graph) -> list[bool]:
+    """For each node in graph order: does it belong to the backward side (rule 1)?"""
+    produced_by_backward: set[int] = set()
+    sides = []
+    for node in graph:
+        back = role_of(node) in BACKWARD_SIDE or any(
+            v is not None and id(v) in produced_by_backward for v in node.inputs)
+        if back:
+            produced_by_backward.update(id(v) for v in node.outputs)
+        sides.append(back)
+    return sides
+
+
+def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
+    """Split ``model`` (not modified) into forward and backward models (module docstring)."""
+    graph = model.graph
+    sides = backward_side(graph)
+    if not any(sides):
+        raise SplitError("the graph has no backward node (no node is marked gradgraph.stage = "
+                         "backward): build the gradient graph first (GradientPass)")
+    nodes = list(graph)
+    back_ids = {id(n) for n, b in zip(nodes, sides) if b}
+    graph_outputs = {id(v) for v in graph.outputs}
+
+    # Which forward values cross the cut, and which Constants are copied instead.
+    copied_constants: set[int] = set()
+    crossing: list[ir.Value] = []
+    seen: set[int] = set()
+    for node, back in zip(nodes, sides):
+        if back:
+            continue
+        for value in node.outputs:
+            readers = [u.node for u in value.uses() if id(u.node) in back_ids]
+            if not readers:
+                continue
+            if _is_constant(node):
+                copied_constants.add(id(node))
+            elif id(value) not in seen:
+                seen.add(id(value))
+                crossing.append(value)
+    stashed = [v for v in crossing if id(v) not in graph_outputs]
+    user_outputs = [v for v in graph.outputs
+                    if v.producer() is None or id(v.producer()) not in back_ids]
+    outputs_read = [v for v in crossing if id(v) in graph_outputs]
+    back_outputs = [v for v in graph.outputs if v.producer() is not None and id(v.producer()) in back_ids]
+    graph_inputs_read = [v for v in graph.inputs
+                         if any(id(u.node) in back_ids for u in v.uses())]
+
+    proto = ir.to_proto(model)
+    forward = ir.from_proto(proto)
+    backward = ir.from_proto(proto)
+    index = {id(n): i for i, n in enumerate(nodes)}
+    keep_in_forward = {i for i, b in enumerate(sides) if not b}
+    keep_in_backward = {i for i, b in enumerate(sides) if b} | {index[i] for i in copied_constants}
+
+    # Forward: the forward side, outputs = user outputs + stash.
+    fwd_nodes = list(forward.graph)
+    fwd_values = _values_by_name(forward.graph)
+    forward.graph.outputs.clear()
+    forward.graph.outputs.extend(fwd_values[v.name] for v in user_outputs + stashed)
+    forward.graph.remove([n for i, n in enumerate(fwd_nodes) if i not in keep_in_forward], safe=True)
+    _drop_unused_constants(forward.graph, graph_outputs_names={v.name for v in forward.graph.outputs})
+    _prune_inputs(forward.graph)
+
+    # Backward: the crossing values become inputs, then the forward side goes.
+    bwd_nodes = list(backward.graph)
+    bwd_values = _values_by_name(backward.graph)
+    backward.graph.outputs.clear()
+    backward.graph.outputs.extend(bwd_values[v.name] for v in back_outputs)
+    new_inputs: list[ir.Value] = []
+    for value in stashed + outputs_read:
+        old = bwd_values[value.name]
+        new = ir.Value(name=old.name, type=old.type, shape=old.shape)
+        old.replace_all_uses_with(new)
+        new_inputs.append(new)
+    caller_inputs = [bwd_values[v.name] for v in graph_inputs_read]
+    backward.graph.remove([n for i, n in enumerate(bwd_nodes) if i not in keep_in_backward], safe=True)
+    backward.graph.inputs.clear()
+    backward.graph.inputs.extend(new_inputs + caller_inputs)
+    _prune_initializers(backward.graph)
+    _prune_initializers(forward.graph)
+    for part, name in ((forward, "forward"), (backward, "backward")):
+        part.graph.metadata_props[SPLIT_KEY] = name
+    return ForwardBackwardSplit(
+        forward=forward, backward=backward,
+        user_outputs=tuple(v.name or "" for v in user_outputs),
+        stashed=tuple(v.name or "" for v in stashed),
+        from_forward=tuple(v.name or "" for v in stashed + outputs_read),
+        from_caller=tuple(v.name or "" for v in graph_inputs_read))
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str | None, ir.Value]:
+    values: dict[str | None, ir.Value] = {v.name: v for v in graph.inputs}
+    values.update(graph.initializers)
+    for node in graph:
+        for value in node.outputs:
+            values[value.name] = value
+    return values
+
+
+def _drop_unused_constants(graph: ir.Graph, graph_outputs_names: set[str | None]) -> None:
+    dead = [n for n in graph if _is_constant(n)
+            and not any(o.uses() or o.name in graph_outputs_names for o in n.outputs)]
+    if dead:
+        graph.remove(dead, safe=False)
+
+
+def _prune_inputs(graph: ir.Graph) -> None:
+    """Drop graph inputs nothing reads (the caller then need not feed them)."""
+    outputs = {id(v) for v in graph.outputs}
+    kept = [v for v in graph.inputs if v.uses() or id(v) in outputs]
+    if len(kept) != len(graph.inputs):
+        graph.inputs.clear()
+        graph.inputs.extend(kept)
+    _prune_initializers(graph)
+
+
+def _prune_initializers(graph: ir.Graph) -> None:
+    outputs = {id(v) for v in graph.outputs}
+    for name, value in list(graph.initializers.items()):
+        if not value.uses() and id(value) not in outputs and not value.is_graph_input():
+            graph.initializers.pop(name)

@@ -1,0 +1,154 @@
+"""passes.split: the forward and backward halves of a gradient graph give what the whole graph gives.
+
+Oracle: the unsplit graph run in one onnxruntime session (optimizations off, so both runs do
+the same arithmetic); the split must be bit-exact. Graphs: hypothesis-drawn training graphs
+(with and without recompute clones) and the tiny BERT / GPT-2 exports (dropout p=0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+import gradgraph
+from passes.marks import Role, role_of
+from passes.recompute import RecomputeOptions, RecomputePass, total_stash_bytes
+from passes.split import SPLIT_KEY, SplitError, split_forward_backward
+
+HAS_STRATEGIES = importlib.util.find_spec("graph_strategies") is not None
+
+
+def _session(model: ir.Model) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(ir.to_proto(model).SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+
+
+def _run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})))
+
+
+def assert_split_exact(model: ir.Model, feeds: dict[str, np.ndarray]) -> None:
+    whole = _run(_session(model), feeds)
+    split = split_forward_backward(model)
+    for part in (split.forward, split.backward):
+        onnx.checker.check_model(ir.to_proto(part), full_check=True)
+    forward = _run(_session(split.forward), feeds)
+    assert set(split.user_outputs) | set(split.stashed) == set(forward)
+    backward = _run(_session(split.backward), {**feeds, **forward})
+    assert set(forward) & set(backward) == set()
+    for name, expected in whole.items():
+        got = forward[name] if name in forward else backward[name]
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+    # the forward holds no backward-side node, the backward no forward node but copied Constants
+    assert all(role_of(n) == Role.FORWARD or role_of(n) == Role.PRECISION for n in split.forward.graph)
+    assert all(role_of(n) != Role.FORWARD or n.op_type == "Constant" for n in split.backward.graph)
+    assert split.forward.graph.metadata_props[SPLIT_KEY] == "forward"
+    # the stash is what the analysis counts (sizes known on these static graphs)
+    stash_bytes, unknown = total_stash_bytes(model)
+    if not unknown:
+        assert sum(forward[n].nbytes for n in split.stashed) == stash_bytes
+
+
+def _mlp() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((8, 1)).astype(np.float32), "w2")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Tanh", ["h"], ["a"]),
+             helper.make_node("MatMul", ["a", "w2"], ["y"]), helper.make_node("Sub", ["y", "t"], ["d"]),
+             helper.make_node("Mul", ["d", "d"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["loss"],
+                                                                           keepdims=0)]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4]),
+                                             helper.make_tensor_value_info("t", TensorProto.FLOAT, [3, 1])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+                               helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, 8])], [w1, w2])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    feeds = {"x": rng.standard_normal((3, 4)).astype(np.float32),
+             "t": rng.standard_normal((3, 1)).astype(np.float32)}
+    return proto, feeds
+
+
+def test_mlp_split_is_exact_and_keeps_user_outputs_in_the_forward():
+    proto, feeds = _mlp()
+    model = ir.from_proto(gradgraph.build_gradient_graph(proto, "loss", ["w1", "w2"]))
+    assert_split_exact(model, feeds)
+    split = split_forward_backward(model)
+    assert split.user_outputs == ("loss", "a")
+    assert "t" in split.from_caller or "x" in split.from_caller  # the backward reads graph inputs
+    assert {v.name for v in split.backward.graph.outputs} == {"w1_grad", "w2_grad"}
+
+
+def test_weights_made_inputs_are_shared_not_copied():
+    from passes.forward.params_to_inputs import ParamsToInputsPass
+
+    proto, feeds = _mlp()
+    model = ir.from_proto(gradgraph.build_gradient_graph(proto, "loss", ["w1", "w2"]))
+    to_inputs = ParamsToInputsPass(["w1", "w2"])
+    to_inputs(model)
+    split = split_forward_backward(model)
+    assert not split.forward.graph.initializers and not split.backward.graph.initializers
+    assert_split_exact(model, {**feeds, **to_inputs.values})
+
+
+def test_a_graph_without_backward_is_refused():
+    proto, _ = _mlp()
+    with pytest.raises(SplitError, match="no backward node"):
+        split_forward_backward(ir.from_proto(proto))
+
+
+def test_the_input_model_is_not_modified():
+    proto, _ = _mlp()
+    model = ir.from_proto(gradgraph.build_gradient_graph(proto, "loss", ["w1", "w2"]))
+    before = ir.to_proto(model).SerializeToString()
+    split_forward_backward(model)
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+@pytest.mark.skipif(not HAS_STRATEGIES, reason="tests/graph_strategies.py not present")
+def test_random_training_graphs_split_exactly():
+    import graph_strategies as gs
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(gs.random_training_models(opset=20, dropout=False), st.booleans())
+    def check(proto, recompute):
+        model = ir.from_proto(gradgraph.build_gradient_graph(proto, "loss", gs.trainable_names(proto)))
+        if recompute:
+            RecomputePass(RecomputeOptions(gelu=True, transformer_layers=True, memory_budget=0,
+                                           recompute_compute_intensive=True))(model)
+        assert_split_exact(model, gs.feeds(proto))
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # memory_budget=0 is infeasible: the minimum is used
+        check()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+@pytest.mark.parametrize("recompute", [None, "layers", "planner"])
+def test_tiny_transformers_split_exactly(tmp_path, name, recompute):
+    model_zoo = pytest.importorskip("model_zoo")
+    path = str(tmp_path / f"{name}.onnx")
+    feeds = model_zoo.export_with_feeds(name, "legacy", "train_p0", path)
+    proto = onnx.load(path)
+    trained = [t.name for t in proto.graph.initializer
+               if t.data_type == onnx.TensorProto.FLOAT and int(np.prod(t.dims)) >= 2]
+    model = ir.from_proto(gradgraph.build_gradient_graph(proto, "loss", trained))
+    if recompute == "layers":
+        RecomputePass(RecomputeOptions(transformer_layers=True))(model)
+    elif recompute == "planner":
+        stash, _ = total_stash_bytes(model)
+        RecomputePass(RecomputeOptions(memory_budget=stash // 2))(model)
+    assert_split_exact(model, feeds)
