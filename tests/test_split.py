@@ -48,13 +48,15 @@ def assert_split_exact(model: ir.Model, feeds: dict[str, np.ndarray]) -> None:
         got = forward[name] if name in forward else backward[name]
         np.testing.assert_array_equal(got, expected, err_msg=name)
     # the forward holds no backward-side node, the backward no forward node but copied Constants
-    assert all(role_of(n) == Role.FORWARD or role_of(n) == Role.PRECISION for n in split.forward.graph)
+    assert all(role_of(n) in (Role.FORWARD, Role.PRECISION) or n.op_type in ("Shape", "Size")
+               for n in split.forward.graph)
     assert all(role_of(n) != Role.FORWARD or n.op_type == "Constant" for n in split.backward.graph)
     assert split.forward.graph.metadata_props[SPLIT_KEY] == "forward"
-    # the stash is what the analysis counts (sizes known on these static graphs)
+    # the stash is at most what the analysis counts (a Shape-only read stashes the shape)
     stash_bytes, unknown = total_stash_bytes(model)
     if not unknown:
-        assert sum(forward[n].nbytes for n in split.stashed) == stash_bytes
+        shapes = {v.name for n in split.forward.graph if n.op_type in ("Shape", "Size") for v in n.outputs}
+        assert sum(forward[n].nbytes for n in split.stashed if n not in shapes) <= stash_bytes
 
 
 def _mlp() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -97,6 +99,19 @@ def test_weights_made_inputs_are_shared_not_copied():
     split = split_forward_backward(model)
     assert not split.forward.graph.initializers and not split.backward.graph.initializers
     assert_split_exact(model, {**feeds, **to_inputs.values})
+
+
+def test_a_shape_only_read_stashes_the_shape_not_the_tensor():
+    proto, _ = _mlp()
+    model = ir.from_proto(gradgraph.build_gradient_graph(proto, "loss", ["w1", "w2"]))
+    readers = {v.name: [u.node.op_type for u in v.uses()] for n in model.graph for v in n.outputs}
+    shape_only = [name for name, ops in readers.items()
+                  if "Shape" in ops and name not in {"loss", "a"}]
+    split = split_forward_backward(model)
+    for name in shape_only:
+        read_by_backward_otherwise = any(
+            op != "Shape" for op in readers[name]) and name in split.stashed
+        assert name not in split.stashed or read_by_backward_otherwise
 
 
 def test_a_graph_without_backward_is_refused():

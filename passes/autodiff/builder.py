@@ -291,7 +291,10 @@ class OpBuilder:
         """Append one node; ``_like`` gives the dtype of Python-number inputs."""
         like = _like.dtype if _like is not None else _float_dtype(inputs)
         vars_ = [None if x is None else self._to_var(x, like) for x in inputs]
-        if op_type == "CastLike" and not _domain and self.opset < CASTLIKE_SINCE:
+        if op_type == "CastLike" and not _domain and (
+                self.opset < CASTLIKE_SINCE or (vars_[1] is not None and vars_[1].dtype is not None)):
+            # Cast to a known dtype: a CastLike would read ``like`` only for its dtype, and so keep
+            # a whole forward tensor alive until the backward (the split would stash it).
             op_type, vars_, attrs = "Cast", vars_[:1], {"to": int(self._castlike_target(vars_[1]))}
         if op_type == "Reshape" and not _domain and _is_literal_shape(vars_[1], self.opset):
             attrs = {**attrs, "allowzero": 1}  # a 0 in a Shape output is a real 0 (empty tensor)

@@ -4,7 +4,8 @@ A stash is a value the runtime keeps alive from the forward until the backward:
 
 1. produced by a forward node (graph inputs, initializers and ``Constant`` outputs are not
    activations: they are alive for the whole run anyway), and
-2. read by a backward or a recompute node (:mod:`passes.marks`), and
+2. read by a backward or a recompute node (:mod:`passes.marks`) for more than its shape (a
+   ``Shape``/``Size`` reader runs in the forward of a split graph, :mod:`passes.split`), and
 3. not a graph output (those are kept to the end regardless).
 
 Sizes come from the values' static shapes; a symbolic dim is looked up in ``dims``, else the
@@ -78,11 +79,20 @@ def stashed_values(model: ir.Model | ir.Graph,
     return stashes
 
 
+# Readers that need only a value's shape or dtype: they run in the forward when the graph is
+# split (passes.split), so they do not keep the tensor alive.
+SHAPE_ONLY_READERS = frozenset({"Shape", "Size"})
+
+
 def _readers(value: ir.Value) -> tuple[ir.Node, ...]:
     seen: dict[int, ir.Node] = {}
     for use in value.uses():
-        if role_of(use.node) in READS_STASH:
-            seen.setdefault(id(use.node), use.node)
+        node = use.node
+        if role_of(node) not in READS_STASH:
+            continue
+        if node.op_type in SHAPE_ONLY_READERS and node.domain in ("", "ai.onnx"):
+            continue
+        seen.setdefault(id(node), node)
     return tuple(seen.values())
 
 

@@ -54,7 +54,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.engine import captured_values
 from passes.marks import STAGE_KEY, Role, mark, role_of
-from passes.recompute.analysis import is_activation_producer, value_bytes
+from passes.recompute.analysis import SHAPE_ONLY_READERS, is_activation_producer, value_bytes
 from passes.recompute.options import RecomputeOptions
 from passes.recompute.patterns import (
     RecomputeGroup,
@@ -227,6 +227,8 @@ def planner_problem(graph: ir.Graph, options: RecomputeOptions) -> tuple[Recompu
     for node in graph:
         nid = ids[id(node)]
         stage = role_of(node)
+        if stage == Role.BACKWARD and node.op_type in SHAPE_ONLY_READERS and node.domain in ("", "ai.onnx"):
+            continue  # reads only the shape: runs in the forward of a split graph (analysis.py)
         if stage == Role.BACKWARD:
             backward.add(nid)
         reads = [v for v in node.inputs if v is not None] + captured_values(node)
@@ -250,6 +252,16 @@ def planner_problem(graph: ir.Graph, options: RecomputeOptions) -> tuple[Recompu
         heavy = node.op_type in options.compute_intensive_ops and not options.recompute_compute_intensive
         if heavy or not recomputable(node, options):
             must_save.add(nid)
+    for nid, node in list(forward.items()):
+        # A Dropout is recomputed from its saved mask: the mask stays whichever way the node goes.
+        kept = [v for v in node.outputs[len(_clone_outputs(node)):] if v.uses() and id(v) not in outputs]
+        if kept:
+            mask_id = f"{nid}/kept"
+            sizes[mask_id] = sum(options.unknown_bytes if value_bytes(v, dims) is None
+                                 else value_bytes(v, dims) or 0 for v in kept)
+            costs[mask_id] = 0.0
+            must_save.add(mask_id)
+            edges.append((mask_id, nid))
     problem = RecomputeProblem(sizes, frozenset(backward), edges, frozenset(must_save), costs=costs)
     return problem, forward
 

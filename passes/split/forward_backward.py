@@ -8,6 +8,8 @@ Where the cut goes is read from the node marks (:mod:`passes.marks`), never from
 
 1. the backward side is every node marked backward, recompute or optimizer, and every node that
    reads a value the backward side produces (so a cast of a gradient goes with the backward);
+   except a ``Shape`` or ``Size`` of a forward value: it runs in the forward, so that the
+   backward keeps a few int64s instead of the whole tensor it only needs the shape of;
 2. the forward side is every other node; it reads graph inputs, initializers and its own values
    only, so it runs alone;
 3. the forward's outputs are the graph outputs it produces, then the *stash*: every value it
@@ -32,6 +34,7 @@ import onnx_ir as ir
 from passes.marks import Role, role_of
 
 BACKWARD_SIDE = frozenset({Role.BACKWARD, Role.RECOMPUTE, Role.OPTIMIZER})
+SHAPE_ONLY = frozenset({"Shape", "Size"})
 SPLIT_KEY = "gradgraph.split"
 
 
@@ -64,8 +67,9 @@ def backward_side(graph: ir.Graph) -> list[bool]:
     produced_by_backward: set[int] = set()
     sides = []
     for node in graph:
-        back = role_of(node) in BACKWARD_SIDE or any(
-            v is not None and id(v) in produced_by_backward for v in node.inputs)
+        reads_backward = any(v is not None and id(v) in produced_by_backward for v in node.inputs)
+        shape_only = node.op_type in SHAPE_ONLY and node.domain in ("", "ai.onnx")
+        back = reads_backward or (role_of(node) in BACKWARD_SIDE and not shape_only)
         if back:
             produced_by_backward.update(id(v) for v in node.outputs)
         sides.append(back)
@@ -108,6 +112,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
                          if any(id(u.node) in back_ids for u in v.uses())]
 
     proto = ir.to_proto(model)
+    _fill_shape_only_shapes(proto, {v.name for v in crossing})
     forward = ir.from_proto(proto)
     backward = ir.from_proto(proto)
     index = {id(n): i for i, n in enumerate(nodes)}
@@ -181,3 +186,25 @@ def _prune_initializers(graph: ir.Graph) -> None:
     for name, value in list(graph.initializers.items()):
         if not value.uses() and id(value) not in outputs and not value.is_graph_input():
             graph.initializers.pop(name)
+
+
+def _fill_shape_only_shapes(proto, names: set[str | None]) -> None:
+    """A crossing ``Shape``/``Size`` output without a shape gets one (graph inputs and outputs
+    need a shape field): ``[rank]`` / ``[]``, the rank unknown when its input's is."""
+    import onnx
+
+    known = {vi.name for vi in proto.graph.value_info if vi.type.tensor_type.HasField("shape")}
+    ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in
+             list(proto.graph.value_info) + list(proto.graph.input) + list(proto.graph.output)
+             if vi.type.tensor_type.HasField("shape")}
+    for node in proto.graph.node:
+        if node.op_type not in SHAPE_ONLY or node.output[0] not in names or node.output[0] in known:
+            continue
+        if node.op_type == "Size":
+            dims: list[int | str | None] = []
+        elif node.input[0] in ranks and not any(a.name in ("start", "end") for a in node.attribute):
+            dims = [ranks[node.input[0]]]
+        else:
+            dims = [None]
+        proto.graph.value_info.append(onnx.helper.make_tensor_value_info(
+            node.output[0], onnx.TensorProto.INT64, dims))
