@@ -112,6 +112,8 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
                          if any(id(u.node) in back_ids for u in v.uses())]
 
     proto = ir.to_proto(model)
+    if any(v.type is None for v in crossing):  # the halves' inputs and outputs need their types
+        proto = _infer_types(proto, crossing)
     _fill_shape_only_shapes(proto, {v.name for v in crossing})
     forward = ir.from_proto(proto)
     backward = ir.from_proto(proto)
@@ -208,3 +210,23 @@ def _fill_shape_only_shapes(proto, names: set[str | None]) -> None:
             dims = [None]
         proto.graph.value_info.append(onnx.helper.make_tensor_value_info(
             node.output[0], onnx.TensorProto.INT64, dims))
+
+
+def _infer_types(proto, crossing: list[ir.Value]):
+    """ONNX shape inference for a graph whose crossing values lack types; refuses what stays untyped."""
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - reported with the values that need it
+        inferred = proto
+        reason = f" (shape inference failed: {str(exc).splitlines()[0][:200]})"
+    else:
+        reason = ""
+    typed = {vi.name for vi in list(inferred.graph.value_info) + list(inferred.graph.output)
+             if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type}
+    missing = [v.name for v in crossing if v.type is None and v.name not in typed]
+    if missing:
+        raise SplitError(f"the values {missing[:5]} cross from the forward to the backward but have no "
+                         f"type{reason}; give the model value_info for them")
+    return inferred

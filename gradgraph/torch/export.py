@@ -1,0 +1,149 @@
+"""Export a ``torch.nn.Module`` call to ONNX for training: flat tensors in, flat tensors out.
+
+The module's forward may take and return nested tuples / lists / dicts (and HF ``ModelOutput``s)
+of tensors; the export sees a wrapper whose forward takes the flat tensor leaves of the call and
+returns the flat tensor leaves of the result (``torch.utils._pytree``), so every ONNX input and
+output is a tensor and the structure is rebuilt on the torch side.
+
+Exporter traps (torch 2.13), handled here:
+
+1. the dynamo exporter's default ``optimize=True`` folds parameters into derived constants:
+   ``optimize=False``, and every parameter and buffer is then an initializer under its module
+   path (``module.<fqn>``), mapped back to the torch tensor by that name;
+2. its torchlib writes BatchNorm in inference mode even for a module in train mode: a custom
+   translation keeps ``training_mode=1`` (batch statistics);
+3. when the dynamo exporter fails, the TorchScript exporter is tried (``training=TRAINING``,
+   no constant folding); its initializer names are the parameters' paths as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import tempfile
+import warnings
+from typing import Any
+
+import onnx
+import torch
+from torch.utils import _pytree as pytree
+
+PREFIX = "module."
+
+
+class ExportFailed(RuntimeError):
+    """Neither exporter produced a usable model; the message has both reasons."""
+
+
+@dataclasses.dataclass
+class ExportedCall:
+    model: onnx.ModelProto
+    input_names: list[str]  # one per flat tensor input, in order
+    output_names: list[str]  # one per flat tensor output, in order
+    output_spec: Any  # pytree spec of the result, tensors as leaves
+    parameters: dict[str, str]  # ONNX initializer -> torch parameter path
+    buffers: dict[str, str]  # ONNX initializer -> torch buffer path
+    exporter: str
+
+
+class _Flat(torch.nn.Module):
+    """``forward(*flat tensors)`` -> flat tensor leaves of ``module(*args, **kwargs)``."""
+
+    def __init__(self, module: torch.nn.Module, in_spec: Any, constants: dict[int, Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._in_spec = in_spec
+        self._constants = constants  # leaves that are not tensors, by position
+        self.out_spec: Any = None
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves, it = [], iter(tensors)
+        for i in range(self._in_spec.num_leaves):
+            leaves.append(self._constants[i] if i in self._constants else next(it))
+        args, kwargs = pytree.tree_unflatten(leaves, self._in_spec)
+        out = self.module(*args, **kwargs)
+        flat, self.out_spec = pytree.tree_flatten(_plain(out))
+        bad = [type(x).__name__ for x in flat if not isinstance(x, torch.Tensor)]
+        if bad:
+            raise TypeError(f"ORTModule: the module returned non-tensor values ({', '.join(bad)}); "
+                            "return tensors, or tuples/lists/dicts of tensors")
+        return tuple(flat)
+
+
+def _plain(out: Any) -> Any:
+    """HF ``ModelOutput`` (an OrderedDict subclass) -> dict of its non-None fields."""
+    if isinstance(out, dict) and type(out) is not dict:
+        return {k: v for k, v in out.items() if v is not None}
+    return out
+
+
+def _bn_train_translation() -> dict:
+    from onnxscript import opset20 as op
+
+    def bn_train(input, weight, bias, running_mean, running_var, training: bool, momentum: float,
+                 eps: float):
+        y, rm, rv = op.BatchNormalization(input, weight, bias, running_mean, running_var,
+                                          epsilon=eps, momentum=1.0 - momentum, training_mode=1)
+        return y, rm, rv, rm, rv
+
+    return {torch.ops.aten._native_batch_norm_legit_functional.default: bn_train}
+
+
+def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training: bool,
+                exporter: str = "auto", opset: int = 18) -> ExportedCall:
+    """Export ``module(*args, **kwargs)`` (see the module docstring)."""
+    leaves, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+    tensors = tuple(x.detach() for x in leaves if isinstance(x, torch.Tensor))
+    flat = _Flat(module, in_spec, constants)
+    input_names = [f"input_{i}" for i in range(len(tensors))]
+    order = ["dynamo", "legacy"] if exporter == "auto" else [exporter]
+    errors = []
+    for which in order:
+        try:
+            model = _export(flat, tensors, input_names, which, training, opset)
+        except Exception as exc:  # noqa: BLE001 - each exporter's reason is reported
+            errors.append(f"{which}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
+            continue
+        with torch.no_grad():
+            flat(*tensors)  # the output structure (the exporter ran the module under tracing)
+        # every alias of a tied parameter (the exporter may name it by any of them)
+        names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        buffer_names = {n for n, _ in module.named_buffers(remove_duplicate=False)}
+        params, buffers = {}, {}
+        for init in model.graph.initializer:
+            path = init.name[len(PREFIX):] if init.name.startswith(PREFIX) else init.name
+            if path in names:
+                params[init.name] = path
+            elif path in buffer_names:
+                buffers[init.name] = path
+        return ExportedCall(model, [i.name for i in model.graph.input if i.name in set(input_names)],
+                            [o.name for o in model.graph.output], flat.out_spec, params, buffers, which)
+    raise ExportFailed("torch.onnx.export failed: " + "; ".join(errors))
+
+
+def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training: bool,
+            opset: int) -> onnx.ModelProto:
+    sink = io.StringIO()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), \
+            contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        warnings.simplefilter("ignore")
+        path = os.path.join(tmp, "model.onnx")
+        if which == "dynamo":
+            has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in flat.modules())
+            table = _bn_train_translation() if training and has_bn else None
+            program = torch.onnx.export(flat, tensors, None, input_names=names, dynamo=True,
+                                        optimize=False, custom_translation_table=table,
+                                        opset_version=opset)
+            if program is None:
+                raise ExportFailed("torch.onnx.export(dynamo=True) returned no program")
+            program.save(path, external_data=False)
+        elif which == "legacy":
+            mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+            torch.onnx.export(flat, tensors, path, input_names=names, dynamo=False, training=mode,
+                              do_constant_folding=False, opset_version=opset)
+        else:
+            raise ValueError(f"exporter must be 'auto', 'dynamo' or 'legacy', not {which!r}")
+        return onnx.load(path)

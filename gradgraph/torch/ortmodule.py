@@ -1,0 +1,277 @@
+"""ORTModule: run a ``torch.nn.Module``'s forward and backward as two onnxruntime graphs.
+
+The first call with a new signature (input shapes, dtypes, which inputs need grad, train/eval)
+exports the module (:mod:`gradgraph.torch.export`) and builds, with the pass layer:
+
+1. parameters and buffers made graph inputs (``ParamsToInputsPass``): onnxruntime reads the
+   torch tensors themselves each call, so a torch optimizer's in-place updates are seen;
+2. in train mode, :class:`passes.autodiff.vjp.VjpSeedPass` (one seed input per float output, the
+   gradient torch hands to the backward) and the gradient w.r.t. every parameter and input that
+   requires grad (``GradientPass``);
+3. the graph split where its node marks say (:mod:`passes.split`): a forward session returns
+   the outputs and the stash, a backward session takes the stash and the output gradients and
+   returns the gradients.
+
+A ``torch.autograd.Function`` runs the two sessions; tensors cross by DLPack (no copies on
+CPU), the stash stays an onnxruntime value between the two. Parameters stay torch
+Parameters: any torch optimizer, scheduler, ``clip_grad_norm_`` works unchanged. In eval mode
+(or under ``torch.no_grad()``) only a forward graph is built and run.
+
+Not yet: buffers updated by the forward (BatchNorm running statistics in train mode) are not
+written back; CUDA tensors; a fallback to PyTorch when the export fails (the error is raised).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import torch
+from torch.utils import _pytree as pytree
+
+from gradgraph.torch.export import ExportedCall, export_call
+from passes.autodiff.gradient_pass import GradientPass
+from passes.autodiff.vjp import VjpSeedPass
+from passes.forward.params_to_inputs import ParamsToInputsPass
+from passes.forward.prepare import PrepareForGradientPass
+from passes.marks import gradient_outputs
+from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
+from passes.split import split_forward_backward
+
+logger = logging.getLogger("gradgraph.torch")
+
+
+class ORTModuleTorchModelException(Exception):
+    """Raised for a change to ORTModule that it does not support (``add_module``)."""
+
+
+@dataclasses.dataclass
+class DebugOptions:
+    """``save_onnx``: write the exported, gradient, forward and backward graphs with ``onnx_prefix``."""
+
+    save_onnx: bool = False
+    onnx_prefix: str = ""
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if self.save_onnx and not self.onnx_prefix:
+            raise ValueError("DebugOptions: save_onnx=True needs an onnx_prefix (the path prefix of "
+                             "the saved graphs)")
+        if self.log_level.upper() not in ("VERBOSE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"):
+            raise ValueError(f"DebugOptions: log_level {self.log_level!r} is not one of VERBOSE, INFO, "
+                             "WARNING, ERROR, FATAL")
+
+
+def _session(model: ir.Model, threads: int | None) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+    # forward and backward sessions run one after the other: a spinning pool would hold the
+    # cores the other needs
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    return ort.InferenceSession(ir.to_proto(model).SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"],
+                                disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
+
+
+def _to_ort(t: torch.Tensor) -> ort.OrtValue:
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bool:  # DLPack bools are not read as ONNX bool by every runtime
+        return ort.OrtValue.ortvalue_from_numpy(t.numpy())
+    return ort.OrtValue.from_dlpack(t)
+
+
+def _to_torch(v: ort.OrtValue) -> torch.Tensor:
+    if v.data_type() == "tensor(bool)":
+        return torch.from_numpy(np.array(v.numpy()))
+    return torch.from_dlpack(v)
+
+
+class _Engine:
+    """The sessions of one call signature (module docstring)."""
+
+    def __init__(self, owner: ORTModule, exported: ExportedCall, tensor_inputs: list[torch.Tensor],
+                 training: bool) -> None:
+        module = owner.module
+        self.exported = exported
+        self.training = training
+        named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+        named.update(dict(module.named_buffers(remove_duplicate=False)))
+        self.weights = {**exported.parameters, **exported.buffers}  # onnx name -> torch path
+        self._named = named
+        model = ir.from_proto(exported.model)
+        n_user = exported.output_spec.num_leaves
+        # outputs beyond the module's own are buffer updates of the dynamo export: not used yet
+        del model.graph.outputs[n_user:]
+        self.user_outputs = [o.name or "" for o in model.graph.outputs]
+        # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
+        PrepareForGradientPass(strict_parameters=False)(model)
+        ParamsToInputsPass(list(self.weights))(model)
+        self.input_names = list(exported.input_names)
+        debug = owner._debug
+        if debug.save_onnx:
+            ir.save(model, f"{debug.onnx_prefix}_exported.onnx")
+        self.grad_inputs: list[str] = []
+        self.grad_weights: list[str] = []
+        if not training:
+            self.forward = _session(model, owner._threads)
+            self.backward: ort.InferenceSession | None = None
+            self.fwd_outputs = [o.name for o in self.forward.get_outputs()]
+            return
+        vjp = VjpSeedPass(self.user_outputs)
+        vjp(model)
+        self.seeds = vjp.seeds
+        self.grad_weights = [n for n, path in exported.parameters.items() if named[path].requires_grad]
+        self.grad_inputs = [n for n, t in zip(self.input_names, tensor_inputs)
+                            if t.requires_grad and t.is_floating_point()]
+        gradient = GradientPass(vjp.loss, self.grad_weights + self.grad_inputs)
+        gradient(model)
+        grads = gradient_outputs(model.graph)
+        self.grad_names = {x: grads[x].name for x in grads}
+        if debug.save_onnx:
+            ir.save(model, f"{debug.onnx_prefix}_gradient.onnx")
+        split = split_forward_backward(model)
+        self.split = split
+        if debug.save_onnx:
+            ir.save(split.forward, f"{debug.onnx_prefix}_forward.onnx")
+            ir.save(split.backward, f"{debug.onnx_prefix}_backward.onnx")
+        self.forward = _session(split.forward, owner._threads)
+        backward = _session(split.backward, owner._threads)
+        self.backward = backward
+        self.fwd_outputs = [o.name for o in self.forward.get_outputs()]
+        self.bwd_inputs = [i.name for i in backward.get_inputs()]
+        self.bwd_outputs = [o.name for o in backward.get_outputs()]
+
+    def feeds(self, tensors: list[torch.Tensor]) -> dict[str, ort.OrtValue]:
+        values = {n: _to_ort(t) for n, t in zip(self.input_names, tensors)}
+        for name, path in self.weights.items():
+            values[name] = _to_ort(self._named[path])
+        return values
+
+
+class _Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine: _Engine, n_inputs: int, *tensors: torch.Tensor):  # type: ignore[override]
+        inputs = list(tensors[:n_inputs])
+        values = engine.feeds(inputs)
+        wanted = {i.name for i in engine.forward.get_inputs()}
+        outs = engine.forward.run_with_ort_values(engine.fwd_outputs, {k: v for k, v in values.items()
+                                                                       if k in wanted})
+        by_name = dict(zip(engine.fwd_outputs, outs))
+        ctx.engine = engine
+        ctx.n_inputs = n_inputs
+        ctx.values = values
+        ctx.stash = by_name
+        results = tuple(_to_torch(by_name[n]) for n in engine.user_outputs)
+        ctx.shapes = [(r.shape, r.dtype) for r in results]
+        for r in results:
+            if not r.is_floating_point():
+                ctx.mark_non_differentiable(r)
+        return results
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: torch.Tensor | None):  # type: ignore[override]
+        engine: _Engine = ctx.engine
+        assert engine.backward is not None  # a training engine
+        feeds: dict[str, ort.OrtValue] = {}
+        for name, g, (shape, dtype) in zip(engine.user_outputs, grad_outputs, ctx.shapes):
+            seed = engine.seeds.get(name)
+            if seed is None:
+                continue
+            if g is None:
+                g = torch.zeros(shape, dtype=dtype)
+            feeds[seed] = _to_ort(g.to(dtype))
+        for name in engine.bwd_inputs:
+            if name in feeds:
+                continue
+            feeds[name] = ctx.stash[name] if name in ctx.stash else ctx.values[name]
+        outs = dict(zip(engine.bwd_outputs, engine.backward.run_with_ort_values(engine.bwd_outputs, feeds)))
+        del ctx.stash, ctx.values
+        grads: list[torch.Tensor | None] = []
+        for name in engine.input_names:
+            grads.append(_to_torch(outs[engine.grad_names[name]]) if name in engine.grad_names else None)
+        weight_grads = [_to_torch(outs[engine.grad_names[n]]) if n in engine.grad_names else None
+                        for n in engine.weights]
+        return (None, None, *grads, *weight_grads)
+
+
+class ORTModule(torch.nn.Module):
+    """Wraps ``module``; forward and backward run in onnxruntime (module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None, *,
+                 threads: int | None = None) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"ORTModule wraps a torch.nn.Module, not {type(module).__name__}")
+        super().__init__()
+        self._modules["_original_module"] = module
+        self._debug = debug_options or DebugOptions()
+        self._threads = threads
+        self._engines: dict[Any, _Engine] = {}
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped module."""
+        return self._modules["_original_module"]  # type: ignore[return-value]
+
+    # ---- the call -------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        training = self.module.training and torch.is_grad_enabled()
+        key = (training, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
+               tuple(repr(x) for x in leaves if not isinstance(x, torch.Tensor)))
+        engine = self._engines.get(key)
+        if engine is None:
+            exported = export_call(self.module, args, kwargs, training=self.module.training)
+            engine = _Engine(self, exported, tensors, training)
+            self._engines[key] = engine
+            logger.info("ORTModule: built %s graphs for %s (%s exporter)",
+                        "training" if training else "inference", key[1], exported.exporter)
+        weights = [engine._named[p] for p in engine.weights.values()]
+        if training:
+            outs = _Function.apply(engine, len(tensors), *tensors, *weights)
+        else:
+            values = engine.feeds(tensors)
+            wanted = {i.name for i in engine.forward.get_inputs()}
+            raw = engine.forward.run_with_ort_values(engine.user_outputs,
+                                                     {k: v for k, v in values.items() if k in wanted})
+            outs = tuple(_to_torch(v) for v in raw)
+        return pytree.tree_unflatten(list(outs), engine.exported.output_spec)
+
+    # ---- nn.Module behaviour reflects the wrapped module ----------------------------------
+    def add_module(self, name: str, module: torch.nn.Module | None) -> None:
+        raise ORTModuleTorchModelException("ORTModule does not support adding modules to it")
+
+    def train(self, mode: bool = True) -> ORTModule:
+        self.training = mode
+        self.module.train(mode)
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self.module.buffers(recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)

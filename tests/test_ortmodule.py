@@ -1,0 +1,150 @@
+"""gradgraph.torch.ORTModule against plain PyTorch (the oracle: the same module, deep-copied).
+
+Tolerances: losses and parameters rel 1e-5; gradients rel 1e-5 with an absolute floor of
+1e-6 x the largest reference gradient magnitude over all parameters (gradients that are zero in
+exact arithmetic, such as an attention key bias under softmax, come out as ~1e-12 rounding noise
+in both). Parameters after the steps: rel 1e-5, abs 1e-6 (Adam turns such a noise gradient
+into an update of up to lr * |g| / (|g| + eps) per step, different noise in each run).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+model_zoo = pytest.importorskip("model_zoo")
+
+from gradgraph.torch import DebugOptions, ORTModule, ORTModuleTorchModelException  # noqa: E402
+
+
+def _close_grads(ref: torch.nn.Module, mine: torch.nn.Module) -> None:
+    scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+    for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
+        if p.grad is None:
+            assert q.grad is None or not q.grad.abs().max(), name
+            continue
+        assert q.grad is not None, f"{name}: no gradient through ORTModule"
+        expected = p.grad.numpy()
+        np.testing.assert_allclose(q.grad.numpy(), expected, rtol=1e-5,
+                                   atol=1e-6 * scale, err_msg=name)
+
+
+def _train(name: str, steps: int, optimizer: str) -> None:
+    ref, batch, _ = model_zoo.build(name, "train_p0")
+    mine = copy.deepcopy(ref)
+    wrapped = ORTModule(mine)
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)}[optimizer]
+    opt_ref, opt_mine = make(ref.parameters()), make(wrapped.parameters())
+    for step in range(steps):
+        opt_ref.zero_grad()
+        opt_mine.zero_grad()
+        loss_ref = ref(*batch)
+        loss_mine = wrapped(*batch)
+        loss_ref.backward()
+        loss_mine.backward()
+        np.testing.assert_allclose(loss_mine.item(), loss_ref.item(), rtol=1e-5, err_msg=f"step {step}")
+        _close_grads(ref, mine)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
+        opt_ref.step()
+        opt_mine.step()
+    for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
+        np.testing.assert_allclose(q.detach().numpy(), p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    assert len(wrapped._engines) == 1, "one signature, one graph"
+
+
+def test_mlp_trains_like_pytorch():
+    _train("mlp", 10, "sgd")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,optimizer", [("bert", "adamw"), ("gpt2", "sgd")])
+def test_tiny_transformers_train_like_pytorch(name, optimizer):
+    _train(name, 10, optimizer)
+
+
+class TwoHeads(torch.nn.Module):
+    """Nested inputs and outputs, an integer output, an input that requires grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.head = torch.nn.Linear(3, 2)
+
+    def forward(self, x, extra):
+        h = torch.tanh(self.lin(x) + extra["shift"])
+        return {"hidden": h, "pair": (self.head(h), h.argmax(-1))}
+
+
+def test_nested_outputs_and_input_gradients():
+    torch.manual_seed(0)
+    ref = TwoHeads()
+    mine = copy.deepcopy(ref)
+    wrapped = ORTModule(mine)
+    x = torch.randn(5, 4)
+    shift = torch.randn(3)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    out_ref = ref(xs[0], {"shift": shift})
+    out_mine = wrapped(xs[1], {"shift": shift})
+    assert set(out_mine) == {"hidden", "pair"} and isinstance(out_mine["pair"], tuple)
+    assert out_mine["pair"][1].dtype == torch.int64
+    assert torch.equal(out_mine["pair"][1], out_ref["pair"][1])
+    # only one of the two float outputs used: the other's gradient is zero
+    (out_ref["pair"][0] ** 2).sum().backward()
+    (out_mine["pair"][0] ** 2).sum().backward()
+    np.testing.assert_allclose(xs[1].grad.numpy(), xs[0].grad.numpy(), rtol=1e-5, atol=1e-7)
+    _close_grads(ref, mine)
+
+
+def test_eval_mode_runs_forward_only_and_matches():
+    ref, batch, _ = model_zoo.build("mlp", "train_p0")
+    mine = copy.deepcopy(ref)
+    wrapped = ORTModule(mine).eval()
+    assert not mine.training
+    ref.eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(float(wrapped(*batch)), float(ref(*batch)), rtol=1e-6)
+    engine = next(iter(wrapped._engines.values()))
+    assert engine.backward is None
+
+
+def test_a_new_input_shape_builds_a_new_graph_and_the_old_one_is_reused():
+    torch.manual_seed(0)
+    ref = TwoHeads()
+    wrapped = ORTModule(copy.deepcopy(ref))
+    shift = {"shift": torch.zeros(3)}
+    for rows in (5, 7, 5):
+        x = torch.randn(rows, 4)
+        np.testing.assert_allclose(wrapped(x, shift)["hidden"].detach().numpy(),
+                                   ref(x, shift)["hidden"].detach().numpy(), rtol=1e-6, atol=1e-7)
+    assert len(wrapped._engines) == 2
+
+
+def test_module_api_reflects_the_wrapped_module(tmp_path):
+    ref, batch, _ = model_zoo.build("mlp", "train_p0")
+    wrapped = ORTModule(ref)
+    assert wrapped.module is ref
+    assert list(wrapped.state_dict()) == list(ref.state_dict())
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    state = {k: v.clone() + 1 for k, v in wrapped.state_dict().items()}
+    wrapped.load_state_dict(state)
+    assert all(torch.equal(ref.state_dict()[k], v) for k, v in state.items())
+    with pytest.raises(ORTModuleTorchModelException):
+        wrapped.add_module("other", torch.nn.Linear(1, 1))
+    wrapped.train(False)
+    assert not ref.training
+
+
+def test_debug_options_save_the_graphs(tmp_path):
+    ref, batch, _ = model_zoo.build("mlp", "train_p0")
+    prefix = str(tmp_path / "mlp")
+    ORTModule(ref, DebugOptions(save_onnx=True, onnx_prefix=prefix))(*batch).backward()
+    for stage in ("exported", "gradient", "forward", "backward"):
+        assert os.path.getsize(f"{prefix}_{stage}.onnx") > 0
+    with pytest.raises(ValueError, match="onnx_prefix"):
+        DebugOptions(save_onnx=True)
