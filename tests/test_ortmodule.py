@@ -55,11 +55,18 @@ def _train(name: str, steps: int, optimizer: str) -> None:
         opt_mine.step()
     for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
         np.testing.assert_allclose(q.detach().numpy(), p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    for (name, b), (_, c) in zip(ref.named_buffers(), mine.named_buffers()):  # BatchNorm statistics
+        np.testing.assert_allclose(c.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
     assert len(wrapped._engines) == 1, "one signature, one graph"
 
 
 def test_mlp_trains_like_pytorch():
     _train("mlp", 10, "sgd")
+
+
+def test_cnn_with_batch_norm_trains_like_pytorch():
+    """Batch statistics in the forward, running statistics written back (unbiased variance)."""
+    _train("cnn", 10, "adamw")
 
 
 @pytest.mark.slow

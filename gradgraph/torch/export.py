@@ -100,6 +100,20 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
     flat = _Flat(module, in_spec, constants)
     input_names = [f"input_{i}" for i in range(len(tensors))]
     order = ["dynamo", "legacy"] if exporter == "auto" else [exporter]
+    # Exporting runs the module (tracing, and once here for the output structure): a train-mode
+    # BatchNorm would update its running statistics. The buffers are put back afterwards.
+    saved = {n: b.detach().clone() for n, b in module.named_buffers()}
+    try:
+        return _export_first(module, flat, tensors, input_names, order, training, opset)
+    finally:
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                if name in saved:
+                    buffer.copy_(saved[name])
+
+
+def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_names: list[str],
+                  order: list[str], training: bool, opset: int) -> ExportedCall:
     errors = []
     for which in order:
         try:

@@ -17,8 +17,10 @@ CPU), the stash stays an onnxruntime value between the two. Parameters stay torc
 Parameters: any torch optimizer, scheduler, ``clip_grad_norm_`` works unchanged. In eval mode
 (or under ``torch.no_grad()``) only a forward graph is built and run.
 
-Not yet: buffers updated by the forward (BatchNorm running statistics in train mode) are not
-written back; CUDA tensors; a fallback to PyTorch when the export fails (the error is raised).
+A train-mode BatchNorm computes with batch statistics and its running statistics are written
+back to the module's buffers after each forward (torch's unbiased running variance, and
+``num_batches_tracked``). Not yet: CUDA tensors; a fallback to PyTorch when the export fails
+(the error is raised); BatchNorm with ``momentum=None`` (cumulative average).
 """
 
 from __future__ import annotations
@@ -120,6 +122,22 @@ class _Engine:
         debug = owner._debug
         if debug.save_onnx:
             ir.save(model, f"{debug.onnx_prefix}_exported.onnx")
+        graph_outputs = {o.name for o in model.graph.outputs}
+        self.stat_outputs = {n: f"{n}.out" for n in exported.buffers if f"{n}.out" in graph_outputs}
+        self.var_stats: dict[str, tuple[int, float]] = {}
+        for node in model.graph:
+            if node.op_type != "BatchNormalization" or len(node.inputs) < 5 or node.inputs[4] is None:
+                continue
+            x, var = node.inputs[0], node.inputs[4]
+            mode = node.attributes.get("training_mode")
+            if var.name in self.stat_outputs and mode is not None and mode.as_int() and x is not None \
+                    and x.shape is not None and all(isinstance(d, int) for d in x.shape) and len(x.shape) >= 2:
+                momentum = node.attributes.get("momentum")
+                count = int(np.prod(x.shape)) // int(x.shape[1])
+                self.var_stats[var.name] = (count, momentum.as_float() if momentum is not None else 0.9)
+        self.batch_norms = [m for m in module.modules()
+                            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                            and m.training and m.track_running_stats] if self.stat_outputs else []
         self.grad_inputs: list[str] = []
         self.grad_weights: list[str] = []
         if not training:
@@ -151,6 +169,27 @@ class _Engine:
         self.bwd_inputs = [i.name for i in backward.get_inputs()]
         self.bwd_outputs = [o.name for o in backward.get_outputs()]
 
+    def write_back(self, outputs: dict[str, ort.OrtValue]) -> None:
+        """Buffers the forward updated (training BatchNorm's running statistics, exposed as
+        ``<buffer>.out`` by PrepareForGradientPass) are copied into the module's buffers, and
+        each training BatchNorm counts the batch (``num_batches_tracked``) as torch does."""
+        if not self.stat_outputs:
+            return
+        with torch.no_grad():
+            for onnx_name, out in self.stat_outputs.items():
+                buffer = self._named[self.weights[onnx_name]]
+                new = _to_torch(outputs[out])
+                if onnx_name in self.var_stats:
+                    # ONNX updates the running variance with the biased batch variance, torch
+                    # with the unbiased one: rescale the batch part by n / (n - 1)
+                    count, momentum = self.var_stats[onnx_name]
+                    kept = momentum * buffer
+                    new = kept + (new - kept) * (count / max(count - 1, 1))
+                buffer.copy_(new)
+            for bn in self.batch_norms:
+                if bn.num_batches_tracked is not None:
+                    bn.num_batches_tracked.add_(1)
+
     def feeds(self, tensors: list[torch.Tensor]) -> dict[str, ort.OrtValue]:
         values = {n: _to_ort(t) for n, t in zip(self.input_names, tensors)}
         for name, path in self.weights.items():
@@ -171,6 +210,7 @@ class _Function(torch.autograd.Function):
         ctx.n_inputs = n_inputs
         ctx.values = values
         ctx.stash = by_name
+        engine.write_back(by_name)
         results = tuple(_to_torch(by_name[n]) for n in engine.user_outputs)
         ctx.shapes = [(r.shape, r.dtype) for r in results]
         for r in results:
