@@ -133,7 +133,8 @@ class _Engine:
             if var.name in self.stat_outputs and mode is not None and mode.as_int() and x is not None \
                     and x.shape is not None and all(isinstance(d, int) for d in x.shape) and len(x.shape) >= 2:
                 momentum = node.attributes.get("momentum")
-                count = int(np.prod(x.shape)) // int(x.shape[1])
+                dims = [int(d) for d in x.shape if isinstance(d, int)]
+                count = int(np.prod(dims)) // dims[1]
                 self.var_stats[var.name] = (count, momentum.as_float() if momentum is not None else 0.9)
         self.batch_norms = [m for m in module.modules()
                             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
