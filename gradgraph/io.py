@@ -1,10 +1,22 @@
-"""Reading models and writing files safely."""
+"""Reading models and writing files safely.
+
+Every file gradgraph writes goes through :func:`atomic_write_bytes` (or :func:`save_model`):
+a temp file with a new, unique name beside the target, fsynced, renamed over it, the folder
+fsynced. Folders of files that belong together (a build's stage models) are written with
+:func:`staged_folder`: all of them or none. A write the file system refuses (read-only, no
+space left, a file where a folder belongs) is a :class:`WriteError` naming the path.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+import re
+import shutil
 import tempfile
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +97,18 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
 TEMP_SUFFIX = ".tmp"
 
 
+class WriteError(GradientError):
+    """A file or folder could not be written (read-only file system, no space left, a file
+    where a folder belongs, no permission); what was there before is left as it was."""
+
+
+def _write_error(path: str | os.PathLike, exc: OSError) -> WriteError:
+    reason = exc.strerror or str(exc)
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+    return WriteError(f"cannot write {str(path)!r}: {reason}{where}; choose a writable location "
+                      "(nothing was written there)")
+
+
 def temp_prefix(target: Path) -> str:
     """The name prefix of ``target``'s temp files (``.<name>.`` + a random part + ``.tmp``)."""
     return f".{target.name}."
@@ -110,17 +134,64 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temp file beside ``path`` (a new, unique name: never a file or link
     that exists), fsync, rename over ``path``, then fsync the folder."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=target.parent)
+    created = _missing_folders(target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=target.parent)
+    except OSError as exc:
+        _remove_empty(created)
+        raise _write_error(target, exc) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        _remove_empty(created)
+        if isinstance(exc, OSError):
+            raise _write_error(target, exc) from exc
+        raise
+    _fsync_dir(target.parent)
+
+
+@contextlib.contextmanager
+def atomic_output_path(path: str | os.PathLike) -> Iterator[str]:
+    """For a writer that takes a file name (onnxruntime's ``optimized_model_filepath``): a new,
+    unique temp file name beside ``path``, renamed over ``path`` when the ``with`` block
+    completes and the writer wrote something (removed otherwise, ``path`` left as it was). An
+    empty ``path`` yields "" and writes nothing."""
+    if not str(path):
+        yield ""
+        return
+    target = Path(path)
+    created = _missing_folders(target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        _remove_empty(created)
+        raise _write_error(target, exc) from exc
+    try:
+        yield tmp
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        _remove_empty(created)
         raise
+    try:
+        if os.path.getsize(tmp) == 0:  # the writer wrote nothing: keep what was there
+            Path(tmp).unlink()
+            _remove_empty(created)
+            return
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        _remove_empty(created)
+        raise _write_error(target, exc) from exc
     _fsync_dir(target.parent)
 
 
@@ -151,12 +222,150 @@ def save_model(model: onnx.ModelProto | ir.Model, path: str | os.PathLike) -> No
         atomic_write_bytes(path, proto.SerializeToString())
         return
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     data_name = target.name + ".data"
-    with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmp:
-        copy = onnx.ModelProto()
-        copy.CopyFrom(proto)
-        onnx.save_model(copy, str(Path(tmp) / target.name), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
-        os.replace(Path(tmp) / data_name, target.parent / data_name)
-        os.replace(Path(tmp) / target.name, target)
+    created = _missing_folders(target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmp:
+            copy = onnx.ModelProto()
+            copy.CopyFrom(proto)
+            onnx.save_model(copy, str(Path(tmp) / target.name), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+            os.replace(Path(tmp) / data_name, target.parent / data_name)
+            os.replace(Path(tmp) / target.name, target)
+    except OSError as exc:
+        _remove_empty(created)
+        raise _write_error(target, exc) from exc
+    _fsync_dir(target.parent)
+
+
+# Staging folders of this process now open (absolute paths): a staged_folder call naming one
+# of them writes into it directly; the outermost call commits.
+_OPEN_STAGING: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "gradgraph_open_staging", default=frozenset())
+_STAGING_NAME = re.compile(r"\.staging-(\d+)-[^/]*\.tmp\Z")
+
+
+def _staging_prefix(target: Path, inside: bool) -> str:
+    return ".staging-" if inside else f".{target.name}.staging-"
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: running, someone else's
+        return True
+    return True
+
+
+def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
+    """Delete staging folders of ``target`` that a killed process left (beside it, or inside
+    it when it existed; their process id, part of the name, is not running on this machine);
+    returns them. POSIX only."""
+    target = Path(os.path.abspath(target))
+    if os.name != "posix":
+        return []
+    stale = []
+    for home, inside in ((target.parent, False), (target, True)):
+        if not home.is_dir():
+            continue
+        for p in home.glob(_staging_prefix(target, inside) + "*" + TEMP_SUFFIX):
+            match = _STAGING_NAME.search(p.name)
+            if match and p.is_dir() and not p.is_symlink() and not _pid_running(int(match.group(1))):
+                shutil.rmtree(p, ignore_errors=True)
+                stale.append(p)
+    return stale
+
+
+@contextlib.contextmanager
+def staged_folder(target: str | os.PathLike,
+                  replaces: Callable[[str], bool] | None = None) -> Iterator[Path]:
+    """A new temp folder whose files appear in ``target`` only if the ``with`` block ends
+    without an exception: all of them, or none.
+
+    - ``target`` does not exist: the temp folder is its sibling
+      (``.<name>.staging-<pid>-<random>.tmp``, the same file system), renamed to ``target``
+      when the block completes: one atomic rename;
+    - ``target`` is a folder: the temp folder is made inside it (``.staging-<pid>-...tmp``:
+      writing needs no more than ``target`` itself); when the block completes each file is
+      renamed into ``target`` (each replacement atomic), then the files ``replaces(name)``
+      selects that this block did not write (an earlier run's outputs) are removed; any other
+      file in ``target`` is left untouched.
+
+    On an exception (Ctrl-C included) the temp folder is removed, and ``target`` and any
+    parent folder created for it are left as they were. A target that exists and is not a
+    folder, or a file system that refuses the writes, is a :class:`WriteError`. Staging
+    folders a killed process left for ``target`` are removed first. Called again for a
+    staging folder it opened (``staged_folder(folder)`` inside the block), it yields that
+    folder and commits nothing: the outermost call commits.
+    """
+    target = Path(os.path.abspath(target))
+    if str(target) in _OPEN_STAGING.get():
+        yield target
+        return
+    if target.exists() and not target.is_dir():
+        raise WriteError(f"cannot write the folder {str(target)!r}: a file of that name exists; "
+                         "name a folder, or a path that does not exist yet")
+    inside = target.is_dir()
+    home = target if inside else target.parent
+    created = [] if inside else _missing_folders(home)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target, inside)}{os.getpid()}-",
+                                    suffix=TEMP_SUFFIX, dir=home))
+    except OSError as exc:
+        _remove_empty(created)
+        raise _write_error(target, exc) from exc
+    token = _OPEN_STAGING.set(_OPEN_STAGING.get() | {str(tmp)})
+    try:
+        try:
+            yield tmp
+        finally:
+            _OPEN_STAGING.reset(token)
+        _commit(tmp, target, replaces)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
+        raise
+
+
+def _commit(tmp: Path, target: Path, replaces: Callable[[str], bool] | None) -> None:
+    try:
+        if not target.exists():
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not target.is_dir():  # not a folder made meanwhile: a real failure
+                    raise
+            else:
+                _fsync_dir(target.parent)
+                return
+        written = {tmp.name}
+        for item in sorted(tmp.iterdir()):
+            os.replace(item, target / item.name)
+            written.add(item.name)
+        if replaces is not None:
+            for old in target.iterdir():
+                if old.name not in written and replaces(old.name) and (old.is_file() or old.is_symlink()):
+                    old.unlink()
+        _fsync_dir(target)
+        tmp.rmdir()
+    except OSError as exc:
+        raise _write_error(target, exc) from exc
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and its ancestors that do not exist yet, deepest first."""
+    return [p for p in (folder, *folder.parents) if not p.exists()]
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders (deepest first) if they are empty: parents made for a target."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return

@@ -4,13 +4,20 @@ A stage is a name and the passes it runs, in order. ``Pipeline.run`` runs them, 
 stage's model as ``DIR/NN_<stage>.onnx`` when asked (``save_dir``), at the stage's own
 ``save_to`` path when it has one, and telling ``on_stage`` (which the training build uses to
 keep the models later variants start from). ``summary()`` lists what each stage changed.
+
+The stage files of a run appear in ``DIR`` all together once every stage succeeded, or not at
+all (:func:`gradgraph.io.staged_folder`); a caller running several pipelines into one ``DIR``
+wraps them in one ``staged_folder`` (the training build does). The ``save_to`` files are
+written atomically as each stage ends (a failing later stage leaves them, complete).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,7 +25,7 @@ from pathlib import Path
 import onnx_ir as ir
 from onnx_ir.passes import PassBase, PassError
 
-from gradgraph.io import save_model
+from gradgraph.io import save_model, staged_folder
 from passes.autodiff.errors import unwrap_pass_errors
 
 
@@ -52,6 +59,14 @@ class StageReport:
         return ", ".join(parts) if parts else "no node added or removed"
 
 
+_STAGE_FILE = re.compile(r"\d{2}_\w+\.onnx(\.data)?")
+
+
+def is_stage_file(name: str) -> bool:
+    """Whether a file name is a saved stage's (``NN_<stage>.onnx``, or its ``.data``)."""
+    return _STAGE_FILE.fullmatch(name) is not None
+
+
 def op_counts(model: ir.Model) -> collections.Counter[str]:
     return collections.Counter(node.op_type for node in model.graph)
 
@@ -71,23 +86,27 @@ class Pipeline:
             verbose: bool = False, first_index: int = 0,
             on_stage: Callable[[Stage, ir.Model], None] | None = None) -> ir.Model:
         self.reports = []
-        for index, stage in enumerate(self.stages, start=first_index):
-            before = op_counts(model)
-            modified = False
-            for pass_ in stage.passes:
-                try:
-                    result = pass_(model)
-                except PassError as exc:
-                    raise unwrap_pass_errors(exc) from exc
-                model, modified = result.model, modified or result.modified
-            self.reports.append(StageReport(stage.name, modified, before, op_counts(model)))
-            if save_dir is not None:
-                path = Path(save_dir) / f"{index:02d}_{stage.name}.onnx"
-                save_model(model, path)
-                if verbose:
-                    print(f"saved stage {stage.name!r} to {path}", file=sys.stderr)
-            if stage.save_to:
-                save_model(model, stage.save_to)
-            if on_stage is not None:
-                on_stage(stage, model)
+        staging: contextlib.AbstractContextManager[Path | None] = (
+            staged_folder(save_dir) if save_dir is not None else contextlib.nullcontext())
+        with staging as folder:
+            for index, stage in enumerate(self.stages, start=first_index):
+                before = op_counts(model)
+                modified = False
+                for pass_ in stage.passes:
+                    try:
+                        result = pass_(model)
+                    except PassError as exc:
+                        raise unwrap_pass_errors(exc) from exc
+                    model, modified = result.model, modified or result.modified
+                self.reports.append(StageReport(stage.name, modified, before, op_counts(model)))
+                if folder is not None:
+                    name = f"{index:02d}_{stage.name}.onnx"
+                    save_model(model, folder / name)
+                    if verbose:
+                        print(f"saved stage {stage.name!r} as {name} (in {save_dir} once every "
+                              "stage succeeded)", file=sys.stderr)
+                if stage.save_to:
+                    save_model(model, stage.save_to)
+                if on_stage is not None:
+                    on_stage(stage, model)
         return model

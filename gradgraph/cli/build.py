@@ -19,12 +19,18 @@ from gradgraph.cli.common import (
 )
 from gradgraph.feeds import InputError
 
+SUMMARY_NAME = "summary.txt"
+
 DESCRIPTION = """\
 Run the training build (forward clean-up -> graph transforms -> gradient -> recompute ->
 training graph) on MODEL and write each stage's model to --save-stages DIR as
 NN_<stage>.onnx, plus DIR/summary.txt: per stage the nodes added and removed by op type, and
 the activations the backward keeps from the forward, with their bytes (--dim sizes symbolic
 dimensions, e.g. --dim batch=8 --dim sequence=128).
+
+All or nothing: the files appear in DIR once the whole build succeeded; a failing build
+leaves DIR as it was. In a DIR that exists, an earlier build's NN_<stage>.onnx files and
+summary.txt are replaced (ones this build does not write are removed); other files stay.
 """
 
 
@@ -67,8 +73,15 @@ def config_from_args(args: argparse.Namespace) -> object:
         raise InputError(str(exc)) from exc
 
 
+def _replaced(name: str) -> bool:
+    """Files of an earlier build in --save-stages DIR that this build replaces."""
+    from gradgraph.pipeline import is_stage_file
+
+    return is_stage_file(name) or name == SUMMARY_NAME
+
+
 def run(args: argparse.Namespace) -> int:
-    from gradgraph.io import atomic_write_bytes
+    from gradgraph.io import atomic_write_bytes, staged_folder
     from gradgraph.training.build import build_training_artifacts
     from gradgraph.training.summary import summary_text
 
@@ -77,19 +90,22 @@ def run(args: argparse.Namespace) -> int:
     if not args.save_stages:
         raise InputError("--save-stages DIR is required (unless --list-weights)")
     config = config_from_args(args)
+    dims = dims_arg(args.dim)
     out = Path(args.save_stages)
     if out.exists() and not out.is_dir():
         raise InputError(f"--save-stages {str(out)!r} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    config = dataclasses.replace(config, debug=dataclasses.replace(  # type: ignore[type-var]
-        config.debug, save_stages=str(out)))  # type: ignore[attr-defined]
-    artifacts = build_training_artifacts(args.model, config)  # type: ignore[arg-type]
-    text = summary_text(artifacts, dims_arg(args.dim))
-    atomic_write_bytes(out / "summary.txt", text.encode())
+    # All or nothing: the stages and summary.txt go to a temp folder (beside DIR, or inside it
+    # when it exists), moved into DIR once everything succeeded; a failure leaves DIR as it was.
+    with staged_folder(out, replaces=_replaced) as folder:
+        config = dataclasses.replace(config, debug=dataclasses.replace(  # type: ignore[type-var]
+            config.debug, save_stages=str(folder)))  # type: ignore[attr-defined]
+        artifacts = build_training_artifacts(args.model, config)  # type: ignore[arg-type]
+        text = summary_text(artifacts, dims)
+        atomic_write_bytes(folder / SUMMARY_NAME, text.encode())
+        stages = sorted(p.name for p in folder.glob("*.onnx"))
     sys.stdout.write(text)
-    stages = sorted(p.name for p in out.glob("*.onnx"))
-    print(f"wrote {len(stages)} stage models and summary.txt to {out}/ "
+    print(f"wrote {len(stages)} stage models and {SUMMARY_NAME} to {out}/ "
           f"(built in {time.perf_counter() - start:.2f} s)")
     return 0
 

@@ -29,7 +29,9 @@ Dropout off and BatchNormalization in inference mode, weights as inputs).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,8 +43,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnx_ir.passes import InPlacePass, PassBase, PassResult
 
-from gradgraph.io import load_model
-from gradgraph.pipeline import Pipeline, Stage, StageReport
+from gradgraph.io import load_model, staged_folder
+from gradgraph.pipeline import Pipeline, Stage, StageReport, is_stage_file
 from gradgraph.training.options import TrainingConfig
 from gradgraph.validate import check_names, unknown_names
 from passes.autodiff import GradientError, GradientOptions
@@ -248,7 +250,20 @@ class _OptimizerFromIR(InPlacePass):
                              loss=loss)(model)
 
 
+def _check_update(config: TrainingConfig) -> None:
+    """Numbers no update could use: refused here, not silently never applied."""
+    steps, clip = config.update.accumulation_steps, config.update.max_grad_norm
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise GradientError(f"accumulation_steps must be a positive integer (micro-steps per "
+                            f"optimizer step); got {steps!r}")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float, np.number))
+                             or not math.isfinite(clip) or clip <= 0):
+        raise GradientError(f"max_grad_norm must be a finite number > 0, or None for no clipping; "
+                            f"got {clip!r}")
+
+
 def _check_config(config: TrainingConfig, model: ir.Model) -> list[str] | None:
+    _check_update(config)
     check_names("weights_not_to_train", config.weights_not_to_train)
     if config.weights_to_train is not None:
         check_names("weights_to_train", config.weights_to_train)
@@ -270,6 +285,12 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
     ``providers``: the onnxruntime execution providers the graphs will run on; mixed precision
     and cast propagation keep ops those lack a low-precision kernel for in fp32 (see
     :func:`kernel_support`). None: every op is assumed to have one.
+
+    ``save_stages`` (else ``config.debug.save_stages``): a folder for every stage's model,
+    ``NN_<stage>.onnx``. They appear there all together once the whole build succeeded; a
+    failing build leaves the folder as it was (see :func:`gradgraph.io.staged_folder`). In a
+    folder that exists, the stage files of an earlier build (``NN_<name>.onnx``) are replaced
+    by this build's (ones it does not write are removed) and other files are left alone.
     """
     source = load_model(model)
     wanted = _check_config(config, source)
@@ -296,28 +317,33 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
             before.append(total_stash_bytes(m, dict(config.graph_transformer.recompute.dims)))
 
     stages, training = pipeline.stages[:-1], pipeline.stages[-1]
-    front = Pipeline(stages)
-    front.run(source, save_dir=save_dir, on_stage=keep)
-    reports = list(front.reports)
-    params = trained_set.trained + trained_set.frozen + trained_set.buffers
+    # The stage files appear in save_dir together once the whole build succeeded, or not at all.
+    staging: contextlib.AbstractContextManager[Path | None] = (
+        staged_folder(save_dir, replaces=is_stage_file) if save_dir is not None
+        else contextlib.nullcontext())
+    with staging as folder:
+        front = Pipeline(stages)
+        front.run(source, save_dir=folder, on_stage=keep)
+        reports = list(front.reports)
+        params = trained_set.trained + trained_set.frozen + trained_set.buffers
 
-    def variant(stage: Stage, index: int) -> onnx.ModelProto:
-        run = Pipeline([stage])
-        result = run.run(ir.from_proto(kept["recompute"]), save_dir=save_dir, first_index=index)
-        reports.extend(run.reports)
-        return ir.to_proto(result)
+        def variant(stage: Stage, index: int) -> onnx.ModelProto:
+            run = Pipeline([stage])
+            result = run.run(ir.from_proto(kept["recompute"]), save_dir=folder, first_index=index)
+            reports.extend(run.reports)
+            return ir.to_proto(result)
 
-    train = variant(training, len(stages))
-    to_inputs = training.passes[0]
-    assert isinstance(to_inputs, ParamsToInputsPass)
-    accumulate = None
-    if config.update.accumulation_steps > 1:
-        accumulate = variant(training_stage(config, apply=False), len(stages) + 1)
-    eval_stage = Stage("eval", [EvalModePass(), ParamsToInputsPass(params), FinishPass()])
-    eval_run = Pipeline([eval_stage])
-    eval_model = ir.to_proto(eval_run.run(ir.from_proto(kept["graph_transforms"]), save_dir=save_dir,
-                                          first_index=len(stages) + 2))
-    reports.extend(eval_run.reports)
+        train = variant(training, len(stages))
+        to_inputs = training.passes[0]
+        assert isinstance(to_inputs, ParamsToInputsPass)
+        accumulate = None
+        if config.update.accumulation_steps > 1:
+            accumulate = variant(training_stage(config, apply=False), len(stages) + 1)
+        eval_stage = Stage("eval", [EvalModePass(), ParamsToInputsPass(params), FinishPass()])
+        eval_run = Pipeline([eval_stage])
+        eval_model = ir.to_proto(eval_run.run(ir.from_proto(kept["graph_transforms"]), save_dir=folder,
+                                              first_index=len(stages) + 2))
+        reports.extend(eval_run.reports)
     states = {w: resolve(config.optimizer, config.update.groups, w)[0].state_names()
               for w in trained_set.trained}
     return TrainingArtifacts(train, accumulate, eval_model, config, trained_set.trained,

@@ -19,6 +19,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from gradgraph.io import atomic_write_bytes
+from passes.autodiff import GradientError
 
 FORMAT = "gradgraph-checkpoint"
 VERSION = 1
@@ -26,8 +27,26 @@ _META_KEY = "gradgraph"
 _HEADER_LEN_BYTES = 8
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable, or does not fit the session."""
+class CheckpointError(GradientError):
+    """A checkpoint file is missing, unreadable, or does not fit the session (a
+    :class:`GradientError`, so a ``ValueError`` too: the CLI prints one line and exits 2)."""
+
+
+# Metadata entries save_checkpoint writes that must be non-negative integers when present.
+_COUNTERS = ("step", "micro_step", "skipped_steps", "accumulation_steps")
+
+
+def _check_meta(meta: dict[str, Any], where: str) -> None:
+    """Refuse metadata a session could not act on (damaged or hand-edited files)."""
+    for key in _COUNTERS:
+        value = meta.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{where}: metadata {key!r} must be an integer >= 0, got "
+                                  f"{value!r}; the file is damaged or was edited (save a new "
+                                  "checkpoint, or train without resuming)")
+    if not isinstance(meta.get("user", {}), dict):
+        raise CheckpointError(f"{where}: metadata 'user' must be a JSON object (the user_dict "
+                              f"of save_checkpoint), got {meta['user']!r}")
 
 
 def write_checkpoint(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
@@ -50,7 +69,12 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
         tensors = st_load(data)
     except Exception as exc:  # noqa: BLE001 - struct, json, safetensors raise several types
         raise CheckpointError(f"checkpoint {str(file)!r} is not a gradgraph checkpoint ({exc})") from exc
+    where = f"checkpoint {str(file)!r}"
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where} is not a gradgraph checkpoint (its metadata is a JSON "
+                              f"{type(meta).__name__}, not an object)")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CheckpointError(f"checkpoint {str(file)!r} has format {meta.get('format')!r} "
+        raise CheckpointError(f"{where} has format {meta.get('format')!r} "
                               f"version {meta.get('version')!r}; expected {FORMAT!r} {VERSION}")
+    _check_meta(meta, where)
     return tensors, meta

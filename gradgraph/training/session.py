@@ -18,14 +18,18 @@ for models without active dropout.
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
-from gradgraph.io import save_model
+from gradgraph.feeds import InputError
+from gradgraph.io import atomic_output_path, save_model
 from gradgraph.training.build import (
     TrainingArtifacts,
     TrainingConfig,
@@ -39,6 +43,10 @@ from passes.autodiff import GradientError
 
 MICRO_STEP_KEY = "micro_step"
 _DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+# What onnxruntime raises when a graph fails on the values fed (an index out of range...).
+_RUN_ERRORS = (RuntimeError, ort_errors.Fail, ort_errors.InvalidArgument, ort_errors.RuntimeException)
+# Names listed in messages about a checkpoint's tensors.
+_LISTED = 4
 
 
 def _provider_names(providers: Sequence[Any] | None) -> list[Any]:
@@ -49,8 +57,8 @@ def _provider_names(providers: Sequence[Any] | None) -> list[Any]:
         name = provider if isinstance(provider, str) else provider[0]
         if name not in available:
             hint = " (install onnxruntime-gpu instead of onnxruntime)" if name == "CUDAExecutionProvider" else ""
-            raise ValueError(f"execution provider {name!r} is not available in this onnxruntime "
-                             f"build{hint}; available: {available}")
+            raise GradientError(f"execution provider {name!r} is not available in this onnxruntime "
+                                f"build{hint}; available: {available}")
     return list(providers)
 
 
@@ -60,8 +68,23 @@ def _device_of(providers: Sequence[Any]) -> tuple[str, int]:
     if name == "CUDAExecutionProvider":
         return "cuda", int(opts.get("device_id", 0))
     if name != "CPUExecutionProvider":
-        raise ValueError(f"provider {name!r} is not supported (use CUDAExecutionProvider or CPU)")
+        raise GradientError(f"provider {name!r} is not supported (use CUDAExecutionProvider or "
+                            "CPUExecutionProvider)")
     return "cpu", 0
+
+
+def _run_error(exc: BaseException, what: str) -> InputError:
+    """onnxruntime's failure on the values fed, as one line (its source location dropped)."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = re.sub(r"\S*onnxruntime_src\S*:\d+ .*?\] ", "", message)[:400]
+    return InputError(f"onnxruntime could not run {what} on these feeds: {message} (is a value "
+                      "outside what the model accepts, such as a class label or an index out of "
+                      "range?)")
+
+
+def _listed(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_LISTED])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > _LISTED else "")
 
 
 def _with_optimized_path(args: tuple[Any, ...], path: str) -> tuple[Any, ...]:
@@ -105,7 +128,9 @@ class TrainingSession:
         args = (held, self.names, sess_options, self.providers, provider_options)
         art = self.artifacts
         optimized = config.debug.graph_save_paths.model_with_training_graph_after_optimization_path
-        self._train = GraphRunner(art.train, *_with_optimized_path(args, optimized))
+        # onnxruntime writes that file itself: into a unique temp file renamed over it once done.
+        with atomic_output_path(optimized) as written_by_ort:
+            self._train = GraphRunner(art.train, *_with_optimized_path(args, written_by_ort))
         self._accumulate = GraphRunner(art.accumulate, *args) if art.accumulate is not None else None
         self._eval = GraphRunner(art.eval, *args)
         self.micro_step = 0
@@ -192,6 +217,8 @@ class TrainingSession:
             if array.shape != shape or array.dtype != dtype:
                 raise CheckpointError(f"tensor {name!r} has shape {list(array.shape)} and dtype "
                                       f"{array.dtype}; the session holds {list(shape)} {dtype}")
+            if name in (self.names.step, self.names.stable_steps) and int(array) < 0:
+                raise CheckpointError(f"the step counter {name!r} must be >= 0; got {int(array)}")
             checked[name] = array
         for name, array in checked.items():
             self.store.set(name, array)
@@ -228,7 +255,10 @@ class TrainingSession:
         loss = self.config.loss
         wanted = [loss] + [f for f in fetches if f != loss]
         finite = self._finite_output if applying else None
-        out = runner.run(self.store, feeds, wanted + ([finite] if finite and finite not in wanted else []))
+        try:
+            out = runner.run(self.store, feeds, wanted + ([finite] if finite and finite not in wanted else []))
+        except _RUN_ERRORS as exc:
+            raise _run_error(exc, "the training step") from exc
         self.micro_step = 0 if applying else self.micro_step + 1
         if finite is not None:
             self.last_step_finite = bool(out[finite])
@@ -249,7 +279,10 @@ class TrainingSession:
     def eval_step(self, feeds: Mapping[str, Any], fetches: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run the eval graph (Dropout off, BatchNorm inference) on the current weights."""
         wanted = list(fetches) if fetches is not None else list(self.artifacts.outputs)
-        return self._eval.run(self.store, feeds, wanted)
+        try:
+            return self._eval.run(self.store, feeds, wanted)
+        except _RUN_ERRORS as exc:
+            raise _run_error(exc, "the eval graph") from exc
 
     # ---- files --------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, user_dict: Mapping[str, Any] | None = None) -> None:
@@ -263,18 +296,64 @@ class TrainingSession:
         write_checkpoint(path, state, meta)
 
     def load_checkpoint(self, path: str | os.PathLike, strict: bool = True) -> dict[str, Any]:
-        """Load a checkpoint written by ``save_checkpoint``; returns its ``user_dict``."""
+        """Load a checkpoint written by ``save_checkpoint``; returns its ``user_dict``.
+
+        ``strict``: the checkpoint must hold exactly this session's tensors (and optimizer).
+        ``strict=False`` loads the tensors the session has and warns about the rest (tensors it
+        lacks are skipped, its own missing from the file keep their values); a checkpoint
+        sharing none of the model's weights and optimizer state (another model's) is refused.
+        A refused checkpoint changes nothing in the session.
+        """
         tensors, meta = read_checkpoint(path)
+        where = f"checkpoint {str(path)!r}"
         if strict and meta.get("optimizer") != self.config.optimizer.name:
-            raise CheckpointError(f"checkpoint {str(path)!r} was written with optimizer "
+            raise CheckpointError(f"{where} was written with optimizer "
                                   f"{meta.get('optimizer')!r}, the session uses {self.config.optimizer.name!r}")
+        step = tensors.get(self.names.step)
+        if step is not None and np.asarray(step).size == 1 and "step" in meta \
+                and int(np.asarray(step).reshape(-1)[0]) != meta["step"]:
+            raise CheckpointError(f"{where}: its metadata says step {meta['step']} but its step "
+                                  f"tensor holds {int(np.asarray(step).reshape(-1)[0])}; the file "
+                                  "is damaged or was edited (save a new checkpoint)")
+        partial = None if strict else self._check_overlap(tensors, where)
         try:
             self.load_state(tensors, strict=strict)
         except CheckpointError as exc:
-            raise CheckpointError(f"checkpoint {str(path)!r}: {exc}") from exc
+            raise CheckpointError(f"{where}: {exc}") from exc
+        if partial:
+            warnings.warn(partial, stacklevel=2)
         skipped = meta.get("skipped_steps", 0)
         self.skipped_steps = skipped if isinstance(skipped, int) and skipped >= 0 else 0
         return dict(meta.get("user", {}))
+
+    def _check_overlap(self, tensors: Mapping[str, Any], where: str) -> str | None:
+        """strict=False: refuse a checkpoint sharing no weight or optimizer state with the
+        session (only counters would load); else what a partial load skips, or None."""
+        names = self.names
+        counters = {names.step, names.loss_scale, names.stable_steps, MICRO_STEP_KEY}
+        ours = [n for n in self.store.names() if n not in counters]
+        theirs = [n for n in tensors if n not in counters]
+        matched = [n for n in theirs if n in self.store]
+        if not matched:
+            raise CheckpointError(
+                f"{where} does not fit this model: none of its {len(theirs)} weight and state "
+                f"tensors matches the model's {len(ours)} (it holds {_listed(sorted(theirs)) or 'none'}; "
+                f"the model has {_listed(self.artifacts.params)}); it was written for another "
+                "model: load a checkpoint saved by a session of this model, or rename its tensors "
+                "and pass them to load_state()")
+        unexpected = sorted(set(theirs) - set(matched))
+        missing = sorted(set(ours) - set(matched))
+        if not unexpected and not missing:
+            return None
+        parts = []
+        if unexpected:
+            parts.append(f"skipped {len(unexpected)} tensor(s) the model does not have "
+                         f"({_listed(unexpected)})")
+        if missing:
+            parts.append(f"{len(missing)} of the model's kept their current values, absent "
+                         f"from the file ({_listed(missing)})")
+        return (f"{where} loaded with strict=False: {len(matched)} of its {len(theirs)} weight "
+                "and state tensors loaded; " + "; ".join(parts))
 
     def inference_model(self) -> onnx.ModelProto:
         """The eval model with the current weights as initializers."""
