@@ -155,3 +155,52 @@ def test_debug_options_save_the_graphs(tmp_path):
         assert os.path.getsize(f"{prefix}_{stage}.onnx") > 0
     with pytest.raises(ValueError, match="onnx_prefix"):
         DebugOptions(save_onnx=True)
+
+
+def test_module_methods_delegate_and_conversions_rebuild():
+    torch.manual_seed(0)
+    inner = TwoHeads()
+    wrapped = ORTModule(inner)
+    assert [n for n, _ in wrapped.named_modules()] == [n for n, _ in inner.named_modules()]
+    assert list(wrapped.children()) == list(inner.children())
+    assert wrapped.get_submodule("lin") is inner.lin
+    assert wrapped.get_parameter("lin.weight") is inner.lin.weight
+    wrapped.register_buffer("scale", torch.ones(1))
+    assert wrapped.get_buffer("scale") is inner.scale
+    x, shift = torch.randn(5, 4), {"shift": torch.zeros(3)}
+    wrapped(x, shift)["hidden"].sum().backward()
+    wrapped.zero_grad()
+    assert inner.lin.weight.grad is None
+    wrapped.double()
+    assert inner.lin.weight.dtype == torch.float64 and not wrapped._engines
+    out = wrapped(x.double(), {"shift": shift["shift"].double()})
+    expected = TwoHeads.forward(inner, x.double(), {"shift": shift["shift"].double()})
+    np.testing.assert_allclose(out["hidden"].detach().numpy(), expected["hidden"].detach().numpy(), rtol=1e-12)
+
+
+class Unexportable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x), "a string output"  # no exporter returns a str
+
+
+def test_a_failed_build_falls_back_to_pytorch_with_one_warning():
+    torch.manual_seed(0)
+    module = Unexportable()
+    wrapped = ORTModule(module)
+    x = torch.ones(2, 3)
+    with pytest.warns(RuntimeWarning, match="runs in PyTorch"):
+        out = wrapped(x)
+    np.testing.assert_allclose(out[0].detach().numpy(), module(x)[0].detach().numpy())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped(x)  # the same signature: no second warning
+    with pytest.raises(Exception):  # noqa: B017 - the exporter's own error type
+        ORTModule(Unexportable(), fallback="raise")(x)
+    with pytest.raises(ValueError, match="fallback"):
+        ORTModule(module, fallback="sometimes")

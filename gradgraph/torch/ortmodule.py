@@ -19,14 +19,16 @@ Parameters: any torch optimizer, scheduler, ``clip_grad_norm_`` works unchanged.
 
 A train-mode BatchNorm computes with batch statistics and its running statistics are written
 back to the module's buffers after each forward (torch's unbiased running variance, and
-``num_batches_tracked``). Not yet: CUDA tensors; a fallback to PyTorch when the export fails
-(the error is raised); BatchNorm with ``momentum=None`` (cumulative average).
+``num_batches_tracked``). When the export or the graph build fails, the signature runs in
+PyTorch with one warning naming the reason (``fallback="raise"`` raises instead). Not yet: CUDA
+tensors (refused with a clear error); BatchNorm with ``momentum=None`` (cumulative average).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -249,14 +251,18 @@ class ORTModule(torch.nn.Module):
     """Wraps ``module``; forward and backward run in onnxruntime (module docstring)."""
 
     def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None, *,
-                 threads: int | None = None) -> None:
+                 fallback: str = "warn", threads: int | None = None) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, not {type(module).__name__}")
+        if fallback not in ("warn", "raise"):
+            raise ValueError(f"ORTModule: fallback must be 'warn' (run the module in PyTorch, with "
+                             f"one warning) or 'raise', not {fallback!r}")
         super().__init__()
         self._modules["_original_module"] = module
         self._debug = debug_options or DebugOptions()
+        self._fallback = fallback
         self._threads = threads
-        self._engines: dict[Any, _Engine] = {}
+        self._engines: dict[Any, _Engine | None] = {}  # None: this signature runs in PyTorch
 
     @property
     def module(self) -> torch.nn.Module:
@@ -270,13 +276,15 @@ class ORTModule(torch.nn.Module):
         training = self.module.training and torch.is_grad_enabled()
         key = (training, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
                tuple(repr(x) for x in leaves if not isinstance(x, torch.Tensor)))
-        engine = self._engines.get(key)
-        if engine is None:
-            exported = export_call(self.module, args, kwargs, training=self.module.training)
-            engine = _Engine(self, exported, tensors, training)
-            self._engines[key] = engine
-            logger.info("ORTModule: built %s graphs for %s (%s exporter)",
-                        "training" if training else "inference", key[1], exported.exporter)
+        bad = [t.device.type for t in tensors if t.device.type != "cpu"]
+        if bad:
+            raise RuntimeError(f"ORTModule runs on CPU tensors for now; got tensors on {sorted(set(bad))} "
+                               "(move the module and inputs to the CPU, or use the module directly)")
+        if key not in self._engines:
+            self._engines[key] = self._build(key, args, kwargs, tensors, training)
+        engine = self._engines[key]
+        if engine is None:  # this signature falls back to PyTorch
+            return self.module(*args, **kwargs)
         weights = [engine._named[p] for p in engine.weights.values()]
         if training:
             outs = _Function.apply(engine, len(tensors), *tensors, *weights)
@@ -287,6 +295,23 @@ class ORTModule(torch.nn.Module):
                                                      {k: v for k, v in values.items() if k in wanted})
             outs = tuple(_to_torch(v) for v in raw)
         return pytree.tree_unflatten(list(outs), engine.exported.output_spec)
+
+    def _build(self, key: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
+               training: bool) -> _Engine | None:
+        try:
+            exported = export_call(self.module, args, kwargs, training=self.module.training)
+            engine = _Engine(self, exported, tensors, training)
+        except Exception as exc:  # noqa: BLE001 - any failure falls back (or is raised) with its reason
+            if self._fallback == "raise":
+                raise
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc) else ''}"
+            warnings.warn(f"ORTModule: {type(self.module).__name__} runs in PyTorch for this input "
+                          f"signature, because building its onnxruntime graphs failed ({reason}); "
+                          "pass fallback='raise' to see the error", RuntimeWarning, stacklevel=3)
+            return None
+        logger.info("ORTModule: built %s graphs for %s (%s exporter)",
+                    "training" if training else "inference", key[1], exported.exporter)
+        return engine
 
     # ---- nn.Module behaviour reflects the wrapped module ----------------------------------
     def add_module(self, name: str, module: torch.nn.Module | None) -> None:
@@ -309,6 +334,50 @@ class ORTModule(torch.nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ORTModule:
+        # to(), double(), half(), cpu(): the tensors change, the graphs are rebuilt on next call
+        self._engines.clear()
+        self.module._apply(fn, recurse)  # not super(): children() is the wrapped module's
+        return self
+
+    def apply(self, fn: Any) -> ORTModule:
+        self._engines.clear()
+        self.module.apply(fn)
+        return self
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        self._engines.clear()
+        self.module.register_buffer(name, tensor, persistent)
+
+    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
+        self._engines.clear()
+        self.module.register_parameter(name, param)
+
+    def get_parameter(self, target: str) -> torch.nn.Parameter:
+        return self.module.get_parameter(target)
+
+    def get_buffer(self, target: str) -> torch.Tensor:
+        return self.module.get_buffer(target)
+
+    def get_submodule(self, target: str) -> torch.nn.Module:
+        return self.module.get_submodule(target)
+
+    def children(self) -> Iterator[torch.nn.Module]:
+        return self.module.children()
+
+    def named_children(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        return self.module.named_children()
+
+    def modules(self) -> Iterator[torch.nn.Module]:  # type: ignore[override]
+        return self.module.modules()
+
+    def named_modules(self, memo: set | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Module]]:
+        return self.module.named_modules(memo, prefix, remove_duplicate)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none)
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         return self.module.buffers(recurse)
