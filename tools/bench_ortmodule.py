@@ -1,0 +1,122 @@
+"""ORTModule against PyTorch eager: training-step time, first-call overhead, peak RSS.
+
+    python tools/bench_ortmodule.py [--models bert,gpt2] [--rounds 3] [--reps 10] [--threads 2]
+
+Models: the peer's BERT-like and GPT-2-like modules (../shared/peer/models_def.py: 4 layers,
+hidden 256, seq 128, batch 8, dropout 0.1 active), each returning its loss. One step =
+``loss = model(*batch); loss.backward(); AdamW step; zero_grad`` with the same torch optimizer
+for both peers: plain module (``torch``) and ``gradgraph.torch.ORTModule(module)``
+(``ortmodule``). The peers alternate in rounds, each run in its own process (so a slow minute
+of the machine does not land on one peer only); printed per model: each peer's median step
+time over the rounds, the median of the per-round ratios ortmodule / torch with their min-max,
+ORTModule's first call (export + graph build + first step) and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import PEER, time_steps  # noqa: E402 - tools/ is not a package
+
+PEERS = ("torch", "ortmodule")
+
+
+def child(name: str, peer: str, args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(PEER))
+    import models_def  # noqa: PLC0415 - the peer's module, found at run time
+
+    module, batch, _ = models_def.build(name)
+    module.train()
+    model = module
+    if peer == "ortmodule":
+        from gradgraph.torch import ORTModule
+
+        model = ORTModule(module, fallback="raise", threads=args.threads)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
+
+    def step() -> float:
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    start = time.perf_counter()
+    first_loss = step()
+    first = time.perf_counter() - start
+    timing = time_steps(step, args.warmup, args.reps)
+    return {"ok": True, "first_s": first, "first_loss": first_loss, **timing}
+
+
+def _run(argv: list[str]) -> dict:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])
+    return {"ok": False, "error": f"rc={proc.returncode}: {tail[:600]}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="bert,gpt2")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", choices=PEERS)
+    parser.add_argument("--model")
+    args = parser.parse_args()
+    if args.child:
+        try:
+            rec = child(args.model, args.child, args)
+        except Exception as exc:  # noqa: BLE001 - reported by the parent
+            rec = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:800]}
+        rec["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        print("RESULT " + json.dumps(rec), flush=True)
+        return
+    if not (PEER / "models_def.py").exists():
+        sys.exit(f"peer material not found at {PEER} (set GRADGRAPH_PEER_DIR)")
+    env_note = f"{args.threads} threads, {args.rounds} rounds, median of {args.reps} steps after {args.warmup} warm-ups"
+    print(f"training step (forward + backward + torch AdamW), {env_note}")
+    print(f"{'model':<6} {'torch ms':>9} {'ortmodule ms':>12} {'ratio (min-max)':>22} "
+          f"{'first call s':>12} {'peak RSS MB torch / ortmodule':>30}")
+    for name in args.models.split(","):
+        rounds: list[dict[str, dict]] = []
+        for _ in range(args.rounds):
+            one = {}
+            for peer in PEERS:
+                one[peer] = _run([sys.executable, __file__, "--child", peer, "--model", name,
+                                  f"--threads={args.threads}", f"--reps={args.reps}", f"--warmup={args.warmup}"])
+                if not one[peer].get("ok"):
+                    print(f"{name} {peer}: failed: {one[peer].get('error')}")
+            rounds.append(one)
+        good = [r for r in rounds if all(r[p].get("ok") for p in PEERS)]
+        if not good:
+            continue
+        ratios = [r["ortmodule"]["median_ms"] / r["torch"]["median_ms"] for r in good]
+        med = {p: statistics.median(r[p]["median_ms"] for r in good) for p in PEERS}
+        first = statistics.median(r["ortmodule"]["first_s"] for r in good)
+        rss = {p: max(r[p]["peak_rss_mb"] for r in good) for p in PEERS}
+        print(f"{name:<6} {med['torch']:>9.1f} {med['ortmodule']:>12.1f} "
+              f"{statistics.median(ratios):>8.2f} ({min(ratios):.2f}-{max(ratios):.2f})      "
+              f"{first:>12.1f} {rss['torch']:>14.0f} / {rss['ortmodule']:.0f}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    main()
