@@ -117,7 +117,7 @@ def test_eval_mode_runs_forward_only_and_matches():
     with torch.no_grad():
         np.testing.assert_allclose(float(wrapped(*batch)), float(ref(*batch)), rtol=1e-6)
     engine = next(iter(wrapped._engines.values()))
-    assert engine.backward is None
+    assert engine.runner.backward is None
 
 
 def test_a_new_input_shape_builds_a_new_graph_and_the_old_one_is_reused():

@@ -100,6 +100,71 @@ def _to_torch(v: ort.OrtValue) -> torch.Tensor:
     return torch.from_dlpack(v)
 
 
+class GraphRunner:
+    """Forward and backward onnxruntime sessions of one model whose inputs are all fed by the caller.
+
+    ``feed_names``: the graph inputs, in the order the caller passes tensors (user inputs, then
+    weights); ``differentiable``: those to differentiate; ``outputs``: the model's own outputs.
+    With ``training=False`` one forward session is built.
+    """
+
+    def __init__(self, model: ir.Model, feed_names: list[str], differentiable: list[str],
+                 outputs: list[str], *, training: bool, make_session: Any,
+                 save_prefix: str | None = None) -> None:
+        self.feed_names = feed_names
+        self.user_outputs = outputs
+        self.seeds: dict[str, str] = {}
+        self.grad_names: dict[str, str] = {}
+        if not training:
+            self.forward = make_session(model)
+            self.backward: ort.InferenceSession | None = None
+            self.fwd_inputs = {i.name for i in self.forward.get_inputs()}
+            self.fwd_outputs = [o.name for o in self.forward.get_outputs()]
+            return
+        vjp = VjpSeedPass(outputs)
+        vjp(model)
+        self.seeds = vjp.seeds
+        gradient = GradientPass(vjp.loss, differentiable)
+        gradient(model)
+        grads = gradient_outputs(model.graph)
+        self.grad_names = {x: grads[x].name or "" for x in grads}
+        if save_prefix:
+            ir.save(model, f"{save_prefix}_gradient.onnx")
+        split = split_forward_backward(model)
+        if save_prefix:
+            ir.save(split.forward, f"{save_prefix}_forward.onnx")
+            ir.save(split.backward, f"{save_prefix}_backward.onnx")
+        self.forward = make_session(split.forward)
+        backward = make_session(split.backward)
+        self.backward = backward
+        self.fwd_inputs = {i.name for i in self.forward.get_inputs()}
+        self.fwd_outputs = [o.name for o in self.forward.get_outputs()]
+        self.bwd_inputs = [i.name for i in backward.get_inputs()]
+        self.bwd_outputs = [o.name for o in backward.get_outputs()]
+
+    def run_forward(self, values: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
+        outs = self.forward.run_with_ort_values(
+            self.fwd_outputs, {k: v for k, v in values.items() if k in self.fwd_inputs})
+        return dict(zip(self.fwd_outputs, outs))
+
+    def run_backward(self, kept: dict[str, ort.OrtValue], values: dict[str, ort.OrtValue],
+                     grad_outputs: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
+        """Gradients by differentiated name; ``grad_outputs`` by user output name."""
+        assert self.backward is not None, "a forward-only runner"
+        feeds = {self.seeds[name]: g for name, g in grad_outputs.items() if name in self.seeds}
+        for name in self.bwd_inputs:
+            if name not in feeds:
+                feeds[name] = kept[name] if name in kept else values[name]
+        outs = dict(zip(self.bwd_outputs, self.backward.run_with_ort_values(self.bwd_outputs, feeds)))
+        return {x: outs[g] for x, g in self.grad_names.items()}
+
+
+def apply_runner(runner: GraphRunner, tensors: tuple[torch.Tensor, ...],
+                 after_forward: Any = None) -> tuple[torch.Tensor, ...]:
+    """Run ``runner`` on ``tensors`` (aligned with ``runner.feed_names``) through autograd."""
+    return _Function.apply(runner, after_forward, *tensors)
+
+
 class _Engine:
     """The sessions of one call signature (module docstring)."""
 
@@ -120,7 +185,6 @@ class _Engine:
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
         PrepareForGradientPass(strict_parameters=False)(model)
         ParamsToInputsPass(list(self.weights))(model)
-        self.input_names = list(exported.input_names)
         debug = owner._debug
         if debug.save_onnx:
             ir.save(model, f"{debug.onnx_prefix}_exported.onnx")
@@ -141,36 +205,14 @@ class _Engine:
         self.batch_norms = [m for m in module.modules()
                             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                             and m.training and m.track_running_stats] if self.stat_outputs else []
-        self.grad_inputs: list[str] = []
-        self.grad_weights: list[str] = []
-        if not training:
-            self.forward = _session(model, owner._threads)
-            self.backward: ort.InferenceSession | None = None
-            self.fwd_outputs = [o.name for o in self.forward.get_outputs()]
-            return
-        vjp = VjpSeedPass(self.user_outputs)
-        vjp(model)
-        self.seeds = vjp.seeds
-        self.grad_weights = [n for n, path in exported.parameters.items() if named[path].requires_grad]
-        self.grad_inputs = [n for n, t in zip(self.input_names, tensor_inputs)
-                            if t.requires_grad and t.is_floating_point()]
-        gradient = GradientPass(vjp.loss, self.grad_weights + self.grad_inputs)
-        gradient(model)
-        grads = gradient_outputs(model.graph)
-        self.grad_names = {x: grads[x].name for x in grads}
-        if debug.save_onnx:
-            ir.save(model, f"{debug.onnx_prefix}_gradient.onnx")
-        split = split_forward_backward(model)
-        self.split = split
-        if debug.save_onnx:
-            ir.save(split.forward, f"{debug.onnx_prefix}_forward.onnx")
-            ir.save(split.backward, f"{debug.onnx_prefix}_backward.onnx")
-        self.forward = _session(split.forward, owner._threads)
-        backward = _session(split.backward, owner._threads)
-        self.backward = backward
-        self.fwd_outputs = [o.name for o in self.forward.get_outputs()]
-        self.bwd_inputs = [i.name for i in backward.get_inputs()]
-        self.bwd_outputs = [o.name for o in backward.get_outputs()]
+        self.input_names = list(exported.input_names)
+        grad_weights = [n for n, path in exported.parameters.items() if named[path].requires_grad]
+        grad_inputs = [n for n, t in zip(self.input_names, tensor_inputs)
+                       if t.requires_grad and t.is_floating_point()]
+        self.runner = GraphRunner(model, self.input_names + list(self.weights), grad_inputs + grad_weights,
+                                  self.user_outputs, training=training,
+                                  make_session=lambda m: _session(m, owner._threads),
+                                  save_prefix=debug.onnx_prefix if debug.save_onnx else None)
 
     def write_back(self, outputs: dict[str, ort.OrtValue]) -> None:
         """Buffers the forward updated (training BatchNorm's running statistics, exposed as
@@ -193,28 +235,21 @@ class _Engine:
                 if bn.num_batches_tracked is not None:
                     bn.num_batches_tracked.add_(1)
 
-    def feeds(self, tensors: list[torch.Tensor]) -> dict[str, ort.OrtValue]:
-        values = {n: _to_ort(t) for n, t in zip(self.input_names, tensors)}
-        for name, path in self.weights.items():
-            values[name] = _to_ort(self._named[path])
-        return values
+    def tensors(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The runner's feeds: the call's tensors, then the module's weights."""
+        return (*inputs, *(self._named[path] for path in self.weights.values()))
 
 
 class _Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, engine: _Engine, n_inputs: int, *tensors: torch.Tensor):  # type: ignore[override]
-        inputs = list(tensors[:n_inputs])
-        values = engine.feeds(inputs)
-        wanted = {i.name for i in engine.forward.get_inputs()}
-        outs = engine.forward.run_with_ort_values(engine.fwd_outputs, {k: v for k, v in values.items()
-                                                                       if k in wanted})
-        by_name = dict(zip(engine.fwd_outputs, outs))
-        ctx.engine = engine
-        ctx.n_inputs = n_inputs
-        ctx.values = values
-        ctx.stash = by_name
-        engine.write_back(by_name)
-        results = tuple(_to_torch(by_name[n]) for n in engine.user_outputs)
+    def forward(ctx, runner: GraphRunner, after_forward: Any,  # type: ignore[override]
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = {n: _to_ort(t) for n, t in zip(runner.feed_names, tensors)}
+        kept = runner.run_forward(values)
+        if after_forward is not None:
+            after_forward(kept)
+        results = tuple(_to_torch(kept[n]) for n in runner.user_outputs)
+        ctx.runner, ctx.values, ctx.kept = runner, values, kept
         ctx.shapes = [(r.shape, r.dtype) for r in results]
         for r in results:
             if not r.is_floating_point():
@@ -223,28 +258,14 @@ class _Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor | None):  # type: ignore[override]
-        engine: _Engine = ctx.engine
-        assert engine.backward is not None  # a training engine
-        feeds: dict[str, ort.OrtValue] = {}
-        for name, g, (shape, dtype) in zip(engine.user_outputs, grad_outputs, ctx.shapes):
-            seed = engine.seeds.get(name)
-            if seed is None:
-                continue
-            if g is None:
-                g = torch.zeros(shape, dtype=dtype)
-            feeds[seed] = _to_ort(g.to(dtype))
-        for name in engine.bwd_inputs:
-            if name in feeds:
-                continue
-            feeds[name] = ctx.stash[name] if name in ctx.stash else ctx.values[name]
-        outs = dict(zip(engine.bwd_outputs, engine.backward.run_with_ort_values(engine.bwd_outputs, feeds)))
-        del ctx.stash, ctx.values
-        grads: list[torch.Tensor | None] = []
-        for name in engine.input_names:
-            grads.append(_to_torch(outs[engine.grad_names[name]]) if name in engine.grad_names else None)
-        weight_grads = [_to_torch(outs[engine.grad_names[n]]) if n in engine.grad_names else None
-                        for n in engine.weights]
-        return (None, None, *grads, *weight_grads)
+        runner: GraphRunner = ctx.runner
+        seeds = {}
+        for name, g, (shape, dtype) in zip(runner.user_outputs, grad_outputs, ctx.shapes):
+            if name in runner.seeds:
+                seeds[name] = _to_ort(torch.zeros(shape, dtype=dtype) if g is None else g.to(dtype))
+        grads = runner.run_backward(ctx.kept, ctx.values, seeds)
+        del ctx.kept, ctx.values
+        return (None, None, *(_to_torch(grads[n]) if n in grads else None for n in runner.feed_names))
 
 
 class ORTModule(torch.nn.Module):
@@ -285,15 +306,13 @@ class ORTModule(torch.nn.Module):
         engine = self._engines[key]
         if engine is None:  # this signature falls back to PyTorch
             return self.module(*args, **kwargs)
-        weights = [engine._named[p] for p in engine.weights.values()]
+        feeds = engine.tensors(tensors)
         if training:
-            outs = _Function.apply(engine, len(tensors), *tensors, *weights)
+            outs = apply_runner(engine.runner, feeds, engine.write_back)
         else:
-            values = engine.feeds(tensors)
-            wanted = {i.name for i in engine.forward.get_inputs()}
-            raw = engine.forward.run_with_ort_values(engine.user_outputs,
-                                                     {k: v for k, v in values.items() if k in wanted})
-            outs = tuple(_to_torch(v) for v in raw)
+            runner = engine.runner
+            kept = runner.run_forward({n: _to_ort(t) for n, t in zip(runner.feed_names, feeds)})
+            outs = tuple(_to_torch(kept[n]) for n in runner.user_outputs)
         return pytree.tree_unflatten(list(outs), engine.exported.output_spec)
 
     def _build(self, key: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
