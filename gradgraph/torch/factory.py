@@ -1,0 +1,143 @@
+"""TorchOrtFactory: an ONNX graph as a ``torch.autograd.Function`` (deeponnxcustom's API).
+
+``TorchOrtFactory(onnx_model, weights_to_train, ...).create_class()`` returns a subclass of
+:class:`TorchOrtFunction`; ``cls.apply(*inputs, *weights)`` runs the graph in onnxruntime with
+the inputs in ``input_names`` order and the weights as torch tensors in ``weights_to_train``
+order (any order: the original required alphabetical order, this one does not), returning the
+graph's outputs in ``output_names`` order; its backward gives the gradients of the inputs and
+weights. Built on the front ends' runner (:class:`gradgraph.torch.ortmodule.GraphRunner`):
+the weights become graph inputs, the gradient of every output is built (one seed per float
+output) and the graph is split into a forward and a backward session.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import torch
+
+from gradgraph.io import load_model
+from gradgraph.torch.ortmodule import GraphRunner, _to_ort, _to_torch, apply_runner
+from gradgraph.validate import check_names
+from passes.forward.params_to_inputs import ParamsToInputsPass
+from passes.forward.prepare import PrepareForGradientPass
+from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
+
+logger = logging.getLogger("gradgraph.torch")
+
+
+class TorchOrtFunction(torch.autograd.Function):
+    """Ancestor of the classes :meth:`TorchOrtFactory.create_class` makes."""
+
+    _runner: GraphRunner
+
+    @staticmethod
+    def from_torch_to_ort(tensors: Sequence[torch.Tensor]) -> list[ort.OrtValue]:
+        """Torch tensors -> onnxruntime values (DLPack, no copy on CPU)."""
+        return [_to_ort(t) for t in tensors]
+
+    @staticmethod
+    def from_ort_to_torch(ort_values: Sequence[ort.OrtValue]) -> tuple[torch.Tensor, ...]:
+        """onnxruntime values -> torch tensors (DLPack, no copy on CPU)."""
+        return tuple(_to_torch(v) for v in ort_values)
+
+
+class TorchOrtFactory:
+    def __init__(self, onnx_model: onnx.ModelProto | str | os.PathLike | bytes,
+                 weights_to_train: Sequence[str], input_names: Sequence[str] | None = None,
+                 output_names: Sequence[str] | None = None, class_name: str | None = None,
+                 sess_options: ort.SessionOptions | None = None, providers: Sequence[Any] | None = None,
+                 provider_options: Sequence[dict] | None = None, run_options: ort.RunOptions | None = None,
+                 graph_builder_config: Any = None, device_index: int = 0) -> None:
+        check_names("weights_to_train", weights_to_train)
+        proto = onnx_model if isinstance(onnx_model, onnx.ModelProto) else ir.to_proto(load_model(onnx_model))
+        initializers = {t.name for t in proto.graph.initializer}
+        graph_inputs = [i.name for i in proto.graph.input if i.name not in initializers]
+        outputs = [o.name for o in proto.graph.output]
+        missing = [w for w in weights_to_train if w not in initializers and w not in graph_inputs]
+        if missing:
+            raise ValueError(f"TorchOrtFactory: weights_to_train {missing} are neither initializers nor "
+                             f"inputs of the model; its initializers are {sorted(initializers)[:10]}")
+        if len(set(weights_to_train)) != len(weights_to_train):
+            raise ValueError(f"TorchOrtFactory: weights_to_train lists a name twice: {list(weights_to_train)}")
+        self.input_names = [n for n in (input_names or graph_inputs) if n not in set(weights_to_train)]
+        unknown = [n for n in self.input_names if n not in graph_inputs]
+        if unknown:
+            raise ValueError(f"TorchOrtFactory: input_names {unknown} are not graph inputs of the model "
+                             f"(graph inputs: {graph_inputs})")
+        self.output_names = list(output_names or outputs)
+        unknown = [n for n in self.output_names if n not in outputs]
+        if unknown:
+            raise ValueError(f"TorchOrtFactory: output_names {unknown} are not graph outputs (outputs: {outputs})")
+        if graph_builder_config is not None:
+            logger.info("TorchOrtFactory: graph_builder_config is onnxruntime-training's and is ignored")
+        self.onnx_model = proto
+        self.weights_to_train = list(weights_to_train)
+        self.class_name = class_name or f"TorchOrtFunction_{id(self)}"
+        self.sess_options = sess_options
+        self.providers = list(providers) if providers else ["CPUExecutionProvider"]
+        self.provider_options = provider_options
+        self.run_options = run_options
+        self.device_index = device_index
+
+    def __repr__(self) -> str:
+        return (f"TorchOrtFactory(weights_to_train={self.weights_to_train!r}, input_names="
+                f"{self.input_names!r}, output_names={self.output_names!r}, class_name={self.class_name!r})")
+
+    def _session(self, model: ir.Model) -> ort.InferenceSession:
+        opts = self.sess_options or ort.SessionOptions()
+        return ort.InferenceSession(ir.to_proto(model).SerializeToString(), opts, providers=self.providers,
+                                    provider_options=self.provider_options,
+                                    disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
+
+    def create_class(self, enable_logging: bool = False, keep_models: bool = False,
+                     debug: bool = False) -> type[TorchOrtFunction]:
+        """A ``torch.autograd.Function`` subclass running the graph (module docstring)."""
+        model = ir.from_proto(self.onnx_model)
+        keep = set(self.output_names)
+        for output in list(model.graph.outputs):
+            if output.name not in keep:
+                model.graph.outputs.remove(output)
+        PrepareForGradientPass(strict_parameters=False)(model)
+        # outputs the preparation exposed (Dropout masks, running statistics) are not the user's
+        ParamsToInputsPass(self.weights_to_train)(model)
+        feed_names = self.input_names + self.weights_to_train
+        float_inputs = [n for n in self.input_names
+                        if any(v.name == n and v.dtype is not None and v.dtype.is_floating_point()
+                               for v in model.graph.inputs)]
+        pre_grad = ir.to_proto(model) if keep_models else None
+        runner = GraphRunner(model, feed_names, float_inputs + self.weights_to_train, self.output_names,
+                             training=True, make_session=self._session)
+        if enable_logging:
+            logger.info("TorchOrtFactory: %s built; forward outputs %d, backward inputs %d",
+                        self.class_name, len(runner.fwd_outputs), len(runner.bwd_inputs))
+        n_outputs = len(self.output_names)
+
+        def forward(ctx, *tensors: torch.Tensor) -> Any:
+            if len(tensors) != len(feed_names):
+                raise TypeError(f"{self.class_name}.apply takes {len(feed_names)} tensors "
+                                f"({', '.join(feed_names)}), got {len(tensors)}")
+            outs = apply_runner(runner, tensors)
+            return outs[0] if n_outputs == 1 else outs
+
+        attributes: dict[str, Any] = {
+            "__doc__": f"The ONNX graph with inputs {self.input_names} and weights {self.weights_to_train}, "
+                       f"run by onnxruntime (forward and backward).",
+            "__module__": __name__,
+            "_runner": runner, "_run_options": self.run_options, "_sess": runner.forward,
+            "_sess_eval": runner.forward, "_input_names": self.input_names,
+            "_grad_input_names": [n for n in feed_names if n in runner.grad_names],
+            "_output_names": self.output_names, "_weights_to_train": self.weights_to_train,
+            "_bw_fetches_names": list(runner.bwd_outputs), "_debug": debug,
+            "_logger": logger if enable_logging else None,
+            "apply": classmethod(lambda cls, *tensors: forward(None, *tensors)),
+        }
+        if keep_models:  # the graph with weights as inputs, before the gradient was added
+            attributes["_optimized_pre_grad_model"] = pre_grad
+        return type(self.class_name, (TorchOrtFunction,), attributes)

@@ -1,0 +1,71 @@
+"""TorchOrtFactory: an ONNX graph as a torch.autograd.Function, against torch autograd on the
+equivalent module (oracle), rel 1e-5 / abs 1e-6; weights in any order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from gradgraph.torch import TorchOrtFactory, TorchOrtFunction  # noqa: E402
+
+RNG = np.random.default_rng(0)
+W1 = RNG.standard_normal((4, 6)).astype(np.float32)
+B1 = RNG.standard_normal(6).astype(np.float32)
+W2 = RNG.standard_normal((6, 3)).astype(np.float32)
+
+
+def _model():
+    nodes = [helper.make_node("MatMul", ["X", "zeta_w1"], ["h0"]), helper.make_node("Add", ["h0", "alpha_b1"], ["h1"]),
+             helper.make_node("Tanh", ["h1"], ["h"]), helper.make_node("MatMul", ["h", "mid_w2"], ["Y"]),
+             helper.make_node("ReduceSum", ["h"], ["S"], keepdims=0)]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [5, 4])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [5, 3]),
+                               helper.make_tensor_value_info("S", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(W1, "zeta_w1"), numpy_helper.from_array(B1, "alpha_b1"),
+                               numpy_helper.from_array(W2, "mid_w2")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _torch(x, w1, b1, w2):
+    h = torch.tanh(x @ w1 + b1)
+    return h @ w2, h.sum()
+
+
+@pytest.mark.parametrize("order", [["zeta_w1", "alpha_b1", "mid_w2"], ["mid_w2", "zeta_w1", "alpha_b1"]])
+def test_gradients_equal_torch_autograd_in_any_weight_order(order):
+    cls = TorchOrtFactory(_model(), order).create_class()
+    assert issubclass(cls, TorchOrtFunction) and cls._weights_to_train == order
+    values = {"zeta_w1": W1, "alpha_b1": B1, "mid_w2": W2}
+    x0 = torch.from_numpy(RNG.standard_normal((5, 4)).astype(np.float32))
+    mine = {k: torch.tensor(v, requires_grad=True) for k, v in values.items()}
+    ref = {k: torch.tensor(v, requires_grad=True) for k, v in values.items()}
+    xa, xb = x0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
+    y, s = cls.apply(xa, *(mine[k] for k in order))
+    y_ref, s_ref = _torch(xb, ref["zeta_w1"], ref["alpha_b1"], ref["mid_w2"])
+    np.testing.assert_allclose(y.detach().numpy(), y_ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    gy = torch.from_numpy(RNG.standard_normal((5, 3)).astype(np.float32))
+    ((y * gy).sum() + 0.5 * s).backward()
+    ((y_ref * gy).sum() + 0.5 * s_ref).backward()
+    for k in values:
+        np.testing.assert_allclose(mine[k].grad.numpy(), ref[k].grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(xa.grad.numpy(), xb.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_output_names_select_outputs_and_bad_names_are_errors():
+    cls = TorchOrtFactory(_model(), ["zeta_w1"], output_names=["Y"]).create_class()
+    w = torch.tensor(W1, requires_grad=True)
+    y = cls.apply(torch.ones(5, 4), w)
+    assert tuple(y.shape) == (5, 3)
+    y.sum().backward()
+    assert w.grad is not None and w.grad.shape == (4, 6)
+    with pytest.raises(ValueError, match="neither initializers nor inputs"):
+        TorchOrtFactory(_model(), ["w1_typo"])
+    with pytest.raises(ValueError, match="not graph outputs"):
+        TorchOrtFactory(_model(), ["zeta_w1"], output_names=["Z"])
+    with pytest.raises(ValueError):
+        TorchOrtFactory(_model(), "zeta_w1")  # a string where a list belongs
+    with pytest.raises(TypeError, match="takes 2 tensors"):
+        cls.apply(torch.ones(5, 4))
