@@ -204,3 +204,24 @@ def test_a_failed_build_falls_back_to_pytorch_with_one_warning():
         ORTModule(Unexportable(), fallback="raise")(x)
     with pytest.raises(ValueError, match="fallback"):
         ORTModule(module, fallback="sometimes")
+
+
+def test_hf_model_with_keyword_inputs_returns_its_model_output():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    ref = transformers.BertForMaskedLM(cfg).train()
+    mine = copy.deepcopy(ref)
+    wrapped = ORTModule(mine, fallback="raise")
+    ids = torch.randint(0, 64, (2, 8))
+    labels = ids.clone()
+    labels[:, ::2] = -100
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones(2, 8, dtype=torch.long), "labels": labels}
+    out, out_ref = wrapped(**kwargs), ref(**kwargs)
+    assert type(out) is type(out_ref) and set(out.keys()) == {"loss", "logits"}
+    np.testing.assert_allclose(out.loss.item(), out_ref.loss.item(), rtol=1e-5)
+    out.loss.backward()
+    out_ref.loss.backward()
+    _close_grads(ref, mine)

@@ -73,8 +73,12 @@ class _Flat(torch.nn.Module):
 
 
 def _plain(out: Any) -> Any:
-    """HF ``ModelOutput`` (an OrderedDict subclass) -> dict of its non-None fields."""
-    if isinstance(out, dict) and type(out) is not dict:
+    """A dict subclass that torch's pytree does not know -> a plain dict of its non-None fields.
+
+    HF ``ModelOutput``s are registered pytree nodes (transformers does it), so they come back
+    as the same class (``out.loss`` works); other ``OrderedDict``-like outputs come back as dicts.
+    """
+    if isinstance(out, dict) and type(out) is not dict and type(out) not in pytree.SUPPORTED_NODES:
         return {k: v for k, v in out.items() if v is not None}
     return out
 
