@@ -316,20 +316,12 @@ def torch_gradients(model_name: str, mode: str) -> tuple[float, dict[str, np.nda
 
 
 def _bn_train_translation():
-    """aten._native_batch_norm_legit_functional with training_mode=1.
+    """aten._native_batch_norm_legit_functional with training_mode=1: torchlib (onnxscript
+    0.7.2) writes inference BatchNorm for a train-mode module; the front end's translation
+    keeps batch statistics."""
+    from gradgraph.torch.export import bn_train_translation
 
-    torchlib (onnxscript 0.7.2) forces ``training = False`` for batch norm, so the dynamo
-    exporter writes inference BatchNorm for a train-mode module; this keeps batch statistics.
-    """
-    from onnxscript import opset20 as op
-
-    def bn_train(input, weight, bias, running_mean, running_var, training: bool, momentum: float,
-                 eps: float):
-        y, rm, rv = op.BatchNormalization(input, weight, bias, running_mean, running_var,
-                                          epsilon=eps, momentum=1.0 - momentum, training_mode=1)
-        return y, rm, rv, rm, rv
-
-    return {torch.ops.aten._native_batch_norm_legit_functional.default: bn_train}
+    return bn_train_translation()
 
 
 # Legacy eval-mode constant folding would merge several parameters into derived constants.

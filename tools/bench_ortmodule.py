@@ -19,7 +19,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import PEER, time_steps  # noqa: E402 - tools/ is not a package
+from timing import PEER, run_child, time_steps  # noqa: E402 - tools/ is not a package
 
 PEERS = ("torch", "ortmodule")
 
@@ -62,15 +61,6 @@ def child(name: str, peer: str, args) -> dict:
     return {"ok": True, "first_s": first, "first_loss": first_loss, **timing}
 
 
-def _run(argv: list[str]) -> dict:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])
-    return {"ok": False, "error": f"rc={proc.returncode}: {tail[:600]}"}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bert,gpt2")
@@ -100,7 +90,7 @@ def main() -> None:
         for _ in range(args.rounds):
             one = {}
             for peer in PEERS:
-                one[peer] = _run([sys.executable, __file__, "--child", peer, "--model", name,
+                one[peer] = run_child([sys.executable, __file__, "--child", peer, "--model", name,
                                   f"--threads={args.threads}", f"--reps={args.reps}", f"--warmup={args.warmup}"])
                 if not one[peer].get("ok"):
                     print(f"{name} {peer}: failed: {one[peer].get('error')}")

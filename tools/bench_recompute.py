@@ -35,7 +35,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import PEER  # noqa: E402
+from timing import PEER, run_child  # noqa: E402
 
 CONFIGS = ("none", "layers", "planner50")
 # onnxruntime-training's own recompute options (tools/ort_recompute_worker.py)
@@ -184,15 +183,8 @@ def _run(argv: list[str], memory: bool) -> dict:
     freed activations stay in the heap and RSS no longer drops: RSS differences would then
     measure the allocator, not the graph. 64 KiB fixed sends every tensor to its own mapping.
     """
-    env = dict(os.environ)
-    if memory:
-        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])
-    return {"ok": False, "error": f"rc={proc.returncode}: {tail[:600]}"}
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"} if memory else None
+    return run_child(argv, env)
 
 
 def _measured(argv: list[str]) -> dict:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import PEER, time_steps  # noqa: E402 - tools/ is not a package
+from timing import PEER, run_child, time_steps  # noqa: E402 - tools/ is not a package
 
 ROOT = Path(__file__).resolve().parent.parent
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
@@ -136,15 +136,6 @@ def child_torch(name: str, out_dir: str, args) -> dict:
 # ---- parent --------------------------------------------------------------------------------
 
 
-def _run_child(argv: list[str], timeout: int = 1800) -> dict:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])
-    return {"ok": False, "error": f"rc={proc.returncode}: {tail[:600]}"}
-
-
 def _ort_training(name: str, out_dir: str, venv: Path) -> dict:
     python = venv / "bin" / "python"
     if not python.exists():
@@ -199,12 +190,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             me = [sys.executable, __file__, "--model", name, "--dir", tmp]
-            export = _run_child(me + ["--child", "export"])
+            export = run_child(me + ["--child", "export"])
             if not export.get("ok"):
                 print(f"{name}: export failed: {export.get('error')}")
                 continue
-            gg = _run_child(me + ["--child", "gradgraph", *common])
-            th = _run_child(me + ["--child", "torch", *common])
+            gg = run_child(me + ["--child", "gradgraph", *common])
+            th = run_child(me + ["--child", "torch", *common])
             ort_rec = _ort_training(name, tmp, Path(args.ort_venv)) if args.provider == "cpu" else {
                 "ok": False, "error": "onnxruntime-training CPU build only"}
             rows.append((name, gg, th, ort_rec))

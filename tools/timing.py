@@ -7,8 +7,10 @@ are timed the same way. Without the peer folder, a plain median of timed runs is
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -33,3 +35,15 @@ def time_steps(step: Callable[[], object], warmup: int, reps: int) -> dict:
         step()
         times.append((time.perf_counter() - start) * 1e3)
     return {"median_ms": statistics.median(times), "min_ms": min(times)}
+
+
+def run_child(argv: list[str], env: dict[str, str] | None = None, timeout: int = 1800) -> dict:
+    """Run a benchmark child process; its last ``RESULT {json}`` line, or ``ok: False`` with the
+    tail of its output."""
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])
+    return {"ok": False, "error": f"rc={proc.returncode}: {tail[:600]}"}

@@ -83,7 +83,8 @@ def _plain(out: Any) -> Any:
     return out
 
 
-def _bn_train_translation() -> dict:
+def bn_train_translation() -> dict:
+    """aten._native_batch_norm_legit_functional written with ``training_mode=1`` (trap 2 above)."""
     from onnxscript import opset20 as op
 
     def bn_train(input, weight, bias, running_mean, running_var, training: bool, momentum: float,
@@ -151,7 +152,7 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
         path = os.path.join(tmp, "model.onnx")
         if which == "dynamo":
             has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in flat.modules())
-            table = _bn_train_translation() if training and has_bn else None
+            table = bn_train_translation() if training and has_bn else None
             program = torch.onnx.export(flat, tensors, None, input_names=names, dynamo=True,
                                         optimize=False, custom_translation_table=table,
                                         opset_version=opset)
