@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from passes.autodiff import GradientError
+
 NP_OF_ORT = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
     "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
@@ -20,8 +22,10 @@ NP_OF_ORT = {
 }
 
 
-class InputError(ValueError):
-    """Feeds that do not fit the model's inputs (missing, wrong dtype, rank or dimension)."""
+class InputError(GradientError):
+    """Feeds that do not fit the model's inputs (missing, wrong dtype, rank or dimension), or a
+    bad data file or option: a :class:`GradientError` (so a ``ValueError`` too), like every
+    refusal of the API; the CLI prints one line and exits 2."""
 
 
 def check_feeds(inputs: Iterable[ort.NodeArg], feeds: Mapping[str, Any], source: str = "the feeds",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gradgraph.feeds import InputError
@@ -13,6 +14,19 @@ from passes.autodiff import GradientError
 EXIT_USER_ERROR = 2
 
 
+def describe_os_error(exc: OSError) -> str:
+    """One line for an OSError met reading or writing a path the user gave (a missing file, no
+    permission, an I/O error, a full or read-only disk, a name too long, ...)."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None:
+        return (f"{reason} while reading or writing a file; check the paths given, the disk and "
+                "its permissions")
+    where = repr(os.fsdecode(exc.filename))
+    if exc.filename2 is not None:
+        where += f" (and {os.fsdecode(exc.filename2)!r})"
+    return f"cannot use {where}: {reason}; check the path, the disk and its permissions"
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed sub-command; user mistakes print one line and return 2."""
     try:
@@ -20,8 +34,8 @@ def run_command(args: argparse.Namespace) -> int:
     except (GradientError, InputError, CheckpointError) as exc:
         print(f"gradgraph {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
-        print(f"gradgraph {args.command}: error: {exc}", file=sys.stderr)
+    except OSError as exc:  # any errno: ENOENT, EACCES, EIO, ENOSPC, EROFS, ENAMETOOLONG, ...
+        print(f"gradgraph {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

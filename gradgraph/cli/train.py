@@ -29,6 +29,7 @@ from gradgraph.cli.common import (
 )
 from gradgraph.feeds import InputError, load_npz
 from gradgraph.io import atomic_write_bytes, remove_stale_temps
+from gradgraph.training.checkpoint import CheckpointError
 from gradgraph.training.schedules import KINDS, Schedule
 from passes.optimizer import config_type
 
@@ -185,6 +186,20 @@ def _check_data(data: dict[str, np.ndarray], inputs: Sequence[str], path: str) -
     return {n: data[n] for n in inputs}
 
 
+def _resumed_losses(value: object, path: Path) -> list[float]:
+    """The loss curve a checkpoint's user metadata holds: a list of numbers (finite or NaN)."""
+    def number(x: object) -> bool:
+        return (isinstance(x, (int, float)) and not isinstance(x, bool)
+                and (math.isfinite(x) or math.isnan(x)))
+
+    if not isinstance(value, list) or not all(number(x) for x in value):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise CheckpointError(f"checkpoint {str(path)!r}: metadata 'losses' must be a list of "
+                              f"numbers (the loss curve), got {shown}; the file is damaged or was "
+                              "edited (train without --resume, or into another --checkpoint-dir)")
+    return [float(x) for x in value]
+
+
 def save_curve(losses: Sequence[float], path: Path) -> None:
     import matplotlib
 
@@ -230,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
     schedule = Schedule(args.schedule, args.lr, args.steps, args.warmup_steps)
     losses: list[float] = []
     if args.resume and ckpt_dir is not None:
-        losses = list(session.load_checkpoint(ckpt_dir / CHECKPOINT_NAME).get("losses", []))
+        path = ckpt_dir / CHECKPOINT_NAME
+        losses = _resumed_losses(session.load_checkpoint(path).get("losses", []), path)
     resumed_from = len(losses)
 
     def checkpoint() -> None:

@@ -23,6 +23,13 @@ from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 # onnxruntime optimizers that must not run on training graphs (real dropout must stay).
 DISABLED_OPTIMIZERS = ("EliminateDropout",)
 
+# SessionOptions.log_severity_level: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal; -1 (the
+# default) takes the default logger's, warning. A failing run makes onnxruntime log an
+# "[E:onnxruntime:...]" line (level 3 still prints it) before it raises; the exception is
+# reported as a typed error (the CLI's one line), so sessions log fatal messages only, unless
+# the user's sess_options set a level of their own.
+QUIET_LOG_LEVEL = 4
+
 
 class StateStore:
     """Named OrtValues on one device, each with a lazily created spare for double buffering."""
@@ -106,9 +113,16 @@ class GraphRunner:
         disabled = list(DISABLED_OPTIMIZERS)
         if has_recompute(model):
             disabled += list(SESSION_DISABLED_OPTIMIZERS)
-        self.session = ort.InferenceSession(
-            model.SerializeToString(), sess_options, providers=providers,
-            provider_options=provider_options, disabled_optimizers=disabled)
+        options = sess_options if sess_options is not None else ort.SessionOptions()
+        level = options.log_severity_level
+        if level < 0:  # not set by the user; the session keeps the level it is created with
+            options.log_severity_level = QUIET_LOG_LEVEL
+        try:
+            self.session = ort.InferenceSession(
+                model.SerializeToString(), options, providers=providers,
+                provider_options=provider_options, disabled_optimizers=disabled)
+        finally:
+            options.log_severity_level = level  # the user's sess_options are never changed
         inputs = [i.name for i in self.session.get_inputs()]
         outputs = [o.name for o in self.session.get_outputs()]
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}

@@ -43,9 +43,14 @@ from gradgraph.training.options import (
     MixedPrecisionConfig,
     TrainingConfig,
 )
-from gradgraph.validate import close_matches
+from gradgraph.validate import check_names, close_matches
+from passes.autodiff import GradientError
 from passes.optimizer import ParamGroup, config_type
 from passes.optimizer.optimizer_pass import LossScaleSettings, TrainingNames, UpdateOptions
+
+# Properties that hold a list of names (a single string is a common slip, never split).
+_NAME_LISTS = ("weights_to_train", "weights_not_to_train", "propagate_cast_ops_allow",
+               "sliced_tensor_names")
 
 _REFERENCE_OPTIMIZERS = {"sgdoptimizer": "sgd", "adamoptimizer": "adam", "lamboptimizer": "lamb"}
 _ATTRIBUTE_ALIASES = {"alpha": "beta1", "beta": "beta2", "lambda": "weight_decay", "epsilon": "eps"}
@@ -170,8 +175,20 @@ class TrainingParameters:
                        for w, a in sorted(per_weight.items()) if any(shared.get(k) != v for k, v in a.items()))
         return base, groups + tuple(self.param_groups)
 
+    def _check_values(self) -> None:
+        """Names lists are lists of names; the accumulation count is a whole number >= 1."""
+        for name in _NAME_LISTS:
+            check_names(f"TrainingParameters.{name}", getattr(self, name))
+        steps = self.gradient_accumulation_steps
+        whole = isinstance(steps, (int, np.integer)) or (
+            isinstance(steps, (float, np.floating)) and float(steps).is_integer())  # 2.0 is 2
+        if isinstance(steps, bool) or not whole or steps < 1:
+            raise GradientError(f"TrainingParameters.gradient_accumulation_steps must be a positive "
+                                f"integer (micro-batches per optimizer step), got {steps!r}")
+
     def to_config(self) -> TrainingConfig:
         self._check_supported()
+        self._check_values()
         if not self.loss_output_name:
             raise ValueError("TrainingParameters.loss_output_name must name the loss output")
         if self.immutable_weights:
@@ -182,7 +199,7 @@ class TrainingParameters:
         clip = self.enable_grad_norm_clip and optimizer.name != "sgd"
         update = UpdateOptions(
             groups=groups,
-            accumulation_steps=int(self.gradient_accumulation_steps),
+            accumulation_steps=int(self.gradient_accumulation_steps),  # checked integral above
             max_grad_norm=float(self.max_grad_norm) if clip else None,
             keep_gradient_outputs=bool(self.set_gradients_as_graph_outputs),
             names=TrainingNames(learning_rate=self.lr_params_feed_name),

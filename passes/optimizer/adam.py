@@ -16,7 +16,7 @@ import dataclasses
 from typing import ClassVar
 
 from passes.autodiff.builder import OpBuilder, Var
-from passes.optimizer.base import StepScalars, optimizer_rule
+from passes.optimizer.base import StepScalars, check_number, optimizer_rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +28,10 @@ class AdamConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
-            raise ValueError(f"betas must lie in [0, 1) (got {self.beta1}, {self.beta2})")
-        if self.eps < 0 or self.weight_decay < 0:
-            raise ValueError(f"eps and weight_decay must be >= 0 (got {self.eps}, {self.weight_decay})")
+        check_number(self, "beta1", self.beta1, low=0.0, high=1.0, high_open=True)
+        check_number(self, "beta2", self.beta2, low=0.0, high=1.0, high_open=True)
+        check_number(self, "eps", self.eps, low=0.0, low_open=True)
+        check_number(self, "weight_decay", self.weight_decay, low=0.0)
 
     @property
     def decoupled(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
@@ -17,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.autodiff.builder import OpBuilder, Var
+from passes.autodiff.errors import GradientError
 
 F64 = ir.DataType.DOUBLE
 
@@ -60,6 +62,35 @@ def config_type(name: str) -> type:
         raise ValueError(f"unknown optimizer {name!r}; known: {sorted(_CONFIGS)}") from None
 
 
+# ---- range checks of hyper-parameters (each config's __post_init__) ---------------------------
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_number(owner: object, field: str, value: Any, *, low: float, high: float = math.inf,
+                 low_open: bool = False, high_open: bool = False, finite: bool = True) -> None:
+    """Raise a :class:`GradientError` (a ``ValueError``) naming ``owner``'s class, ``field`` and
+    the accepted range unless ``value`` is a real number in it (NaN never is; neither is a bool)."""
+    ok = is_number(value) and not math.isnan(value) and (not finite or math.isfinite(value))
+    ok = ok and (value > low if low_open else value >= low)
+    ok = ok and (value < high if high_open else value <= high)
+    if not ok:
+        kind = "a finite number" if finite else "a number"
+        if high == math.inf:
+            what = f"{kind} {'>' if low_open else '>='} {low:g}"
+        else:
+            what = (f"{kind} in {'(' if low_open else '['}{low:g}, "
+                    f"{high:g}{')' if high_open else ']'}")
+        raise GradientError(f"{type(owner).__name__}.{field} must be {what}; got {value!r}")
+
+
+def check_count(owner: object, field: str, value: Any, what: str) -> None:
+    """``value`` must be an integer >= 1 (not a bool, not 2.5): else a named GradientError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise GradientError(f"{type(owner).__name__}.{field} must be a positive integer ({what}); "
+                            f"got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamGroup:
     """Hyper-parameter overrides for the weights whose names match any of ``patterns``.
@@ -72,6 +103,15 @@ class ParamGroup:
     patterns: tuple[str, ...]
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     lr_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.patterns, (str, bytes)):
+            raise GradientError(f"ParamGroup.patterns must be a tuple of name patterns, not the "
+                                f"single string {self.patterns!r} (write ({self.patterns!r},))")
+        if not isinstance(self.patterns, (tuple, list)) or not all(isinstance(p, str) for p in self.patterns):
+            raise GradientError(f"ParamGroup.patterns must be a tuple of name patterns (strings), "
+                                f"got {self.patterns!r}")
+        check_number(self, "lr_scale", self.lr_scale, low=0.0)
 
     def matches(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)

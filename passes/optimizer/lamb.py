@@ -20,7 +20,8 @@ import math
 from typing import ClassVar
 
 from passes.autodiff.builder import OpBuilder, Var
-from passes.optimizer.base import StepScalars, optimizer_rule
+from passes.autodiff.errors import GradientError
+from passes.optimizer.base import StepScalars, check_number, optimizer_rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +36,15 @@ class LambConfig:
     ratio_max: float = math.inf
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
-            raise ValueError(f"betas must lie in [0, 1) (got {self.beta1}, {self.beta2})")
-        if not 0.0 <= self.ratio_min <= self.ratio_max:
-            raise ValueError(f"need 0 <= ratio_min <= ratio_max (got {self.ratio_min}, {self.ratio_max})")
+        check_number(self, "beta1", self.beta1, low=0.0, high=1.0, high_open=True)
+        check_number(self, "beta2", self.beta2, low=0.0, high=1.0, high_open=True)
+        check_number(self, "eps", self.eps, low=0.0, low_open=True)
+        check_number(self, "weight_decay", self.weight_decay, low=0.0)
+        check_number(self, "ratio_min", self.ratio_min, low=0.0)
+        check_number(self, "ratio_max", self.ratio_max, low=0.0, finite=False)  # inf: no clip
+        if self.ratio_min > self.ratio_max:
+            raise GradientError(f"LambConfig needs ratio_min <= ratio_max (got {self.ratio_min!r}, "
+                                f"{self.ratio_max!r})")
 
     def state_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")

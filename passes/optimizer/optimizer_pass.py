@@ -34,6 +34,7 @@ Every state input ``X`` that changes has the output ``X.out``; runtimes bind one
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,8 +42,10 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.builder import OpBuilder, Var
+from passes.autodiff.errors import GradientError
 from passes.marks import OUTPUT_KEY, STAGE_KEY, OutputRole, Role
 from passes.optimizer import ParamGroup, StepScalars, resolve, rule_for
+from passes.optimizer.base import check_count, check_number, is_number
 
 # Graph metadata: the graph has its optimizer part ("apply") or accumulation part ("accumulate").
 OPTIMIZER_KEY = "gradgraph.optimizer"
@@ -103,8 +106,7 @@ class LossScaleSettings:
         if not 0 < self.min_loss_scale <= self.init_scale <= self.max_loss_scale:
             raise ValueError("loss scaler: need 0 < min_loss_scale <= init_scale <= max_loss_scale "
                              f"(got {self.min_loss_scale}, {self.init_scale}, {self.max_loss_scale})")
-        if self.up_scale_window < 1:
-            raise ValueError(f"loss scaler: up_scale_window must be >= 1 (got {self.up_scale_window})")
+        check_count(self, "up_scale_window", self.up_scale_window, "finite steps before the scale grows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +127,13 @@ class UpdateOptions:
     names: TrainingNames = TrainingNames()
 
     def __post_init__(self) -> None:
-        if self.accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be >= 1 (got {self.accumulation_steps})")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0 (got {self.max_grad_norm})")
-        if self.clip_eps < 0:
-            raise ValueError(f"clip_eps must be >= 0 (got {self.clip_eps})")
+        check_count(self, "accumulation_steps", self.accumulation_steps,
+                    "micro-batches per optimizer step")
+        clip = self.max_grad_norm
+        if clip is not None and not (is_number(clip) and math.isfinite(clip) and clip > 0):
+            raise GradientError(f"UpdateOptions.max_grad_norm must be a finite number > 0, or None "
+                                f"for no clipping; got {clip!r}")
+        check_number(self, "clip_eps", self.clip_eps, low=0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ import dataclasses
 from typing import ClassVar
 
 from passes.autodiff.builder import OpBuilder, Var
-from passes.optimizer.base import StepScalars, optimizer_rule
+from passes.autodiff.errors import GradientError
+from passes.optimizer.base import StepScalars, check_number, optimizer_rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +27,12 @@ class SGDConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise ValueError(f"SGD momentum and weight_decay must be >= 0 (got {self})")
+        check_number(self, "momentum", self.momentum, low=0.0, high=1.0, high_open=True)
+        check_number(self, "dampening", self.dampening, low=0.0, high=1.0)
+        check_number(self, "weight_decay", self.weight_decay, low=0.0)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+            raise GradientError(f"SGDConfig.nesterov=True requires a momentum > 0 and zero dampening "
+                                f"(got momentum={self.momentum!r}, dampening={self.dampening!r})")
 
     def state_names(self) -> tuple[str, ...]:
         return ("momentum_buffer",) if self.momentum else ()
