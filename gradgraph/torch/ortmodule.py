@@ -4,7 +4,9 @@ The first call with a new signature (input shapes, dtypes, which inputs need gra
 exports the module (:mod:`gradgraph.torch.export`) and builds, with the pass layer:
 
 1. parameters and buffers made graph inputs (``ParamsToInputsPass``): onnxruntime reads the
-   torch tensors themselves each call, so a torch optimizer's in-place updates are seen;
+   torch tensors themselves each call, so a torch optimizer's in-place updates are seen; then
+   onnxscript's optimizer (``optimize=True``, the default: what the exporter's own
+   ``optimize=True`` runs, which can no longer fold parameters once they are inputs);
 2. in train mode, :class:`passes.autodiff.vjp.VjpSeedPass` (one seed input per float output, the
    gradient torch hands to the backward) and the gradient w.r.t. every parameter and input that
    requires grad (``GradientPass``);
@@ -35,6 +37,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
+import onnxscript.optimizer
 import torch
 from torch.utils import _pytree as pytree
 
@@ -182,9 +185,13 @@ class _Engine:
         # outputs beyond the module's own are buffer updates of the dynamo export: not used yet
         del model.graph.outputs[n_user:]
         self.user_outputs = [o.name or "" for o in model.graph.outputs]
+        # Parameters and buffers become inputs first: then onnxscript's optimizer (constant
+        # folding, rewrite rules; what the exporter's optimize=True runs) cannot fold them.
+        ParamsToInputsPass(list(self.weights))(model)
+        if owner._optimize:
+            model = onnxscript.optimizer.optimize(model)
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
         PrepareForGradientPass(strict_parameters=False)(model)
-        ParamsToInputsPass(list(self.weights))(model)
         debug = owner._debug
         if debug.save_onnx:
             ir.save(model, f"{debug.onnx_prefix}_exported.onnx")
@@ -272,7 +279,7 @@ class ORTModule(torch.nn.Module):
     """Wraps ``module``; forward and backward run in onnxruntime (module docstring)."""
 
     def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None, *,
-                 fallback: str = "warn", threads: int | None = None) -> None:
+                 fallback: str = "warn", optimize: bool = True, threads: int | None = None) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, not {type(module).__name__}")
         if fallback not in ("warn", "raise"):
@@ -282,6 +289,7 @@ class ORTModule(torch.nn.Module):
         self._modules["_original_module"] = module
         self._debug = debug_options or DebugOptions()
         self._fallback = fallback
+        self._optimize = optimize
         self._threads = threads
         self._engines: dict[Any, _Engine | None] = {}  # None: this signature runs in PyTorch
 
