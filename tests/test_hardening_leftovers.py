@@ -721,3 +721,12 @@ def test_any_os_error_on_a_users_path_is_a_one_line_error(resumable: tuple[Path,
     err = capsys.readouterr().err
     _one_line_error(err, "grad")
     assert "File name too long" in err and long_name in err
+
+
+@pytest.mark.parametrize("flag,value", [("--clip", "nan"), ("--clip", "-1"), ("--accumulate", "0")])
+def test_build_names_its_flag_when_out_of_range(tmp_path, capsys, flag, value):
+    out = tmp_path / "stages"
+    code = cli_main(["build", str(EXAMPLE), "--loss", "loss", "--save-stages", str(out), flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and flag in err[0], err
+    assert not out.exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,10 @@ def config_from_args(args: argparse.Namespace) -> object:
     from passes.optimizer import config_type
     from passes.optimizer.optimizer_pass import UpdateOptions
 
+    if args.accumulate < 1:
+        raise InputError(f"--accumulate must be a positive integer (got {args.accumulate})")
+    if args.clip is not None and not (math.isfinite(args.clip) and args.clip > 0):
+        raise InputError(f"--clip must be a finite number > 0 (got {args.clip})")
     groups = pass_groups(args)
     try:
         weights = weights_arg(args.weights)
