@@ -118,6 +118,22 @@ def test_eval_mode_runs_forward_only_and_matches():
         np.testing.assert_allclose(float(wrapped(*batch)), float(ref(*batch)), rtol=1e-6)
     engine = next(iter(wrapped._engines.values()))
     assert engine.runner.backward is None
+    # eval mode with grad enabled: outputs carry gradients, as in torch
+    wrapped(*batch).backward()
+    ref(*batch).backward()
+    _close_grads(ref, mine)
+
+
+def test_batch_norm_with_cumulative_momentum_falls_back_with_a_warning():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, momentum=None))
+    ref = copy.deepcopy(module)
+    wrapped = ORTModule(module)
+    x = torch.randn(6, 3)
+    with pytest.warns(RuntimeWarning, match="momentum=None"):
+        wrapped(x)
+    ref(x)
+    assert torch.allclose(module[1].running_var, ref[1].running_var)
 
 
 def test_a_new_input_shape_builds_a_new_graph_and_the_old_one_is_reused():
@@ -151,6 +167,8 @@ def test_debug_options_save_the_graphs(tmp_path):
     ref, batch, _ = model_zoo.build("mlp", "train_p0")
     prefix = str(tmp_path / "mlp")
     ORTModule(ref, DebugOptions(save_onnx=True, onnx_prefix=prefix))(*batch).backward()
+    ORTModule(model_zoo.build("mlp", "train_p0")[0], DebugOptions(save_onnx=True, onnx_prefix=str(tmp_path / "new" / "m")))(*batch)
+    assert (tmp_path / "new" / "m_exported.onnx").exists()  # the folder is created
     for stage in ("exported", "gradient", "forward", "backward"):
         assert os.path.getsize(f"{prefix}_{stage}.onnx") > 0
     with pytest.raises(ValueError, match="onnx_prefix"):

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import re
 import tempfile
 import warnings
 from typing import Any
@@ -70,6 +71,17 @@ class _Flat(torch.nn.Module):
             raise TypeError(f"ORTModule: the module returned non-tensor values ({', '.join(bad)}); "
                             "return tensors, or tuples/lists/dicts of tensors")
         return tuple(flat)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _reason(exc: BaseException) -> str:
+    """One readable line of an exporter's error (no colour codes, the line that names the error)."""
+    lines = [_ANSI.sub("", line).strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line]
+    named = [line for line in lines if "Error" in line or "error" in line]
+    return (named[-1] if named else lines[0] if lines else "")[:300]
 
 
 def _plain(out: Any) -> Any:
@@ -124,7 +136,7 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
         try:
             model = _export(flat, tensors, input_names, which, training, opset)
         except Exception as exc:  # noqa: BLE001 - each exporter's reason is reported
-            errors.append(f"{which}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
+            errors.append(f"{which}: {type(exc).__name__}: {_reason(exc)}")
             continue
         with torch.no_grad():
             flat(*tensors)  # the output structure (the exporter ran the module under tracing)

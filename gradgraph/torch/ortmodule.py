@@ -21,15 +21,18 @@ Parameters: any torch optimizer, scheduler, ``clip_grad_norm_`` works unchanged.
 
 A train-mode BatchNorm computes with batch statistics and its running statistics are written
 back to the module's buffers after each forward (torch's unbiased running variance, and
-``num_batches_tracked``). When the export or the graph build fails, the signature runs in
+``num_batches_tracked``); a train-mode BatchNorm with ``momentum=None`` falls back to PyTorch.
+In eval mode with grad enabled the graphs are built from the eval-mode export, so outputs
+still carry gradients, as in torch. When the export or the graph build fails, the signature runs in
 PyTorch with one warning naming the reason (``fallback="raise"`` raises instead). Not yet: CUDA
-tensors (refused with a clear error); BatchNorm with ``momentum=None`` (cumulative average).
+tensors (refused with a clear error).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -194,6 +197,14 @@ class _Engine:
         PrepareForGradientPass(strict_parameters=False)(model)
         debug = owner._debug
         if debug.save_onnx:
+            os.makedirs(os.path.dirname(os.path.abspath(debug.onnx_prefix)), exist_ok=True)
+        cumulative = [type(m).__name__ for m in module.modules()
+                      if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+                      and m.track_running_stats and m.momentum is None]
+        if cumulative:
+            raise NotImplementedError(f"{cumulative[0]} with momentum=None (a cumulative average of the "
+                                      "batch statistics) is not supported; set a momentum")
+        if debug.save_onnx:
             ir.save(model, f"{debug.onnx_prefix}_exported.onnx")
         graph_outputs = {o.name for o in model.graph.outputs}
         self.stat_outputs = {n: f"{n}.out" for n in exported.buffers if f"{n}.out" in graph_outputs}
@@ -302,7 +313,9 @@ class ORTModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         leaves, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        training = self.module.training and torch.is_grad_enabled()
+        # a gradient graph whenever autograd will want one (torch's eval mode still gives grads)
+        training = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.module.parameters()) or any(t.requires_grad for t in tensors))
         key = (training, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
                tuple(repr(x) for x in leaves if not isinstance(x, torch.Tensor)))
         bad = [t.device.type for t in tensors if t.device.type != "cpu"]
