@@ -15,9 +15,7 @@ ORTModule's first call (export + graph build + first step) and peak RSS.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -26,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import PEER, run_child, time_steps  # noqa: E402 - tools/ is not a package
+from timing import PEER, report_child, run_child, time_steps  # noqa: E402 - tools/ is not a package
 
 PEERS = ("torch", "ortmodule")
 
@@ -72,12 +70,7 @@ def main() -> None:
     parser.add_argument("--model")
     args = parser.parse_args()
     if args.child:
-        try:
-            rec = child(args.model, args.child, args)
-        except Exception as exc:  # noqa: BLE001 - reported by the parent
-            rec = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:800]}
-        rec["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-        print("RESULT " + json.dumps(rec), flush=True)
+        report_child(lambda: child(args.model, args.child, args))
         return
     if not (PEER / "models_def.py").exists():
         sys.exit(f"peer material not found at {PEER} (set GRADGRAPH_PEER_DIR)")

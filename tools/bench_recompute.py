@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -43,20 +42,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import PEER, run_child  # noqa: E402
+from timing import PEER, report_child, rss_mb, run_child, timed_runs  # noqa: E402
 
 CONFIGS = ("none", "layers", "planner50")
 # onnxruntime-training's own recompute options (tools/ort_recompute_worker.py)
 ORT_CONFIGS = ("none", "transformer_layer", "gelu_attn", "memopt_level1")
 PLANNER_FRACTION = 0.5
-
-
-def _rss_mb(field: str = "VmRSS") -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
 
 
 def child_export(name: str, out_dir: str) -> dict:
@@ -147,31 +138,21 @@ def child_run(name: str, out_dir: str, config: str, args) -> dict:
     boundary: list[float] = []
 
     def step() -> None:
-        before = _rss_mb()
+        before = rss_mb()
         outs = dict(zip(fwd_out, fwd.run_with_ort_values(fwd_out, fwd_in)))
-        boundary.append(_rss_mb() - before)
+        boundary.append(rss_mb() - before)
         bwd.run_with_ort_values(bwd_out, {**bwd_caller, **{k: outs[k] for k in split.from_forward}})
         del outs
 
-    start_rss = _rss_mb()
-    times = []
-    for i in range(args.warmup + args.reps):
-        t = time.perf_counter()
-        step()
-        if i >= args.warmup:
-            times.append((time.perf_counter() - t) * 1e3)
+    start_rss = rss_mb()
+    times = timed_runs(step, args.warmup, args.reps)
     rec = {"ok": True, "stash_bytes": stash, "unknown": unknown, "clones": clones,
            "stashed_values": len(split.stashed)}
     if args.measure == "memory":
-        rec.update(boundary_mb=statistics.median(boundary), run_growth_mb=_rss_mb("VmHWM") - start_rss)
+        rec.update(boundary_mb=statistics.median(boundary), run_growth_mb=rss_mb("VmHWM") - start_rss)
     else:
         whole_feeds = {i.name: values[i.name] for i in whole.get_inputs()}
-        whole_times = []
-        for i in range(args.warmup + args.reps):
-            t = time.perf_counter()
-            whole.run_with_ort_values(None, whole_feeds)
-            if i >= args.warmup:
-                whole_times.append((time.perf_counter() - t) * 1e3)
+        whole_times = timed_runs(lambda: whole.run_with_ort_values(None, whole_feeds), args.warmup, args.reps)
         rec.update(median_ms=statistics.median(times), whole_ms=statistics.median(whole_times))
     return rec
 
@@ -226,13 +207,8 @@ def main() -> None:
     if args.quick:
         args.reps, args.warmup = 2, 1
     if args.child:
-        try:
-            rec = (child_export(args.model, args.dir) if args.child == "export"
-                   else child_run(args.model, args.dir, args.config, args))
-        except Exception as exc:  # noqa: BLE001 - reported by the parent
-            rec = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:800]}
-        rec["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-        print("RESULT " + json.dumps(rec), flush=True)
+        report_child(lambda: child_export(args.model, args.dir) if args.child == "export"
+                     else child_run(args.model, args.dir, args.config, args))
         return
     if not (PEER / "models_def.py").exists():
         sys.exit(f"peer material not found at {PEER} (set GRADGRAPH_PEER_DIR)")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -26,15 +25,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import PEER, run_child, time_steps  # noqa: E402 - tools/ is not a package
+from timing import PEER, report_child, run_child, time_steps  # noqa: E402 - tools/ is not a package
 
 ROOT = Path(__file__).resolve().parent.parent
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 LR, EPS = 1e-3, 1e-6
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _peer_models():
@@ -171,12 +166,7 @@ def main() -> None:
         fn = {"export": lambda: child_export(args.model, args.dir),
               "gradgraph": lambda: child_gradgraph(args.model, args.dir, args),
               "torch": lambda: child_torch(args.model, args.dir, args)}[args.child]
-        try:
-            rec = fn()
-        except Exception as exc:  # noqa: BLE001 - reported by the parent
-            rec = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:800]}
-        rec["peak_rss_mb"] = _peak_rss_mb()
-        print("RESULT " + json.dumps(rec), flush=True)
+        report_child(fn)
         return
     if not (PEER / "models_def.py").exists():
         sys.exit(f"peer material not found at {PEER} (set GRADGRAPH_PEER_DIR)")

@@ -31,22 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import report_child, rss_mb, timed_runs  # noqa: E402 - tools/ is not a package (stdlib only)
 
 CONFIGS = ("none", "transformer_layer", "gelu_attn", "memopt_level1")
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
-
-
-def rss_mb(field: str = "VmRSS") -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
 
 
 def trainable(model) -> list[str]:
@@ -176,12 +169,7 @@ def run(args) -> dict:
         del state, fw_out, bw_out
 
     start_rss = rss_mb()
-    times = []
-    for i in range(args.warmup + args.reps):
-        t = time.perf_counter()
-        step()
-        if i >= args.warmup:
-            times.append((time.perf_counter() - t) * 1e3)
+    times = timed_runs(step, args.warmup, args.reps)
     rec = {"ok": True, "config": args.config, "recompute_nodes": recompute_nodes, "memopt_plans": plans,
            "trained": len(weights)}
     if args.measure == "memory":
@@ -204,12 +192,7 @@ def main() -> None:
                         help="memory: report the boundary and step RSS (run it with "
                              "MALLOC_MMAP_THRESHOLD_ fixed, as tools/bench_recompute.py does)")
     args = parser.parse_args()
-    try:
-        rec = run(args)
-    except Exception as exc:  # noqa: BLE001 - reported by the parent
-        rec = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:800]}
-    rec["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    print("RESULT " + json.dumps(rec), flush=True)
+    rec = report_child(lambda: run(args))
     sys.exit(0 if rec.get("ok") else 1)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -27,6 +28,12 @@ def time_steps(step: Callable[[], object], warmup: int, reps: int) -> dict:
 
         timing, _ = common.time_steps(step, warmup=warmup, repeat=reps)
         return {k: timing[k] for k in ("median_ms", "min_ms", "other_cores", "attempts")}
+    times = timed_runs(step, warmup, reps)
+    return {"median_ms": statistics.median(times), "min_ms": min(times)}
+
+
+def timed_runs(step: Callable[[], object], warmup: int, reps: int) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``step`` after ``warmup`` untimed ones."""
     for _ in range(warmup):
         step()
     times = []
@@ -34,7 +41,28 @@ def time_steps(step: Callable[[], object], warmup: int, reps: int) -> dict:
         start = time.perf_counter()
         step()
         times.append((time.perf_counter() - start) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times)}
+    return times
+
+
+def rss_mb(field: str = "VmRSS") -> float:
+    """This process's resident memory (``VmRSS``) or its peak (``VmHWM``) in MiB, from /proc."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def report_child(work: Callable[[], dict]) -> dict:
+    """A benchmark child's side of :func:`run_child`: run ``work``, print its ``RESULT {json}``
+    line (an exception becomes ``ok: False`` with its message) with the peak RSS; the record."""
+    try:
+        rec = work()
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
+        rec = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:800]}
+    rec["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    print("RESULT " + json.dumps(rec), flush=True)
+    return rec
 
 
 def run_child(argv: list[str], env: dict[str, str] | None = None, timeout: int = 1800) -> dict:
