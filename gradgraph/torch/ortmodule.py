@@ -171,14 +171,24 @@ def apply_runner(runner: GraphRunner, tensors: tuple[torch.Tensor, ...],
     return _Function.apply(runner, after_forward, *tensors)
 
 
+def _training_batch_norms(module: torch.nn.Module) -> list[torch.nn.modules.batchnorm._BatchNorm]:
+    """The BatchNorms that update running statistics in this call; refuses ``momentum=None``."""
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+             and m.training and m.track_running_stats]
+    cumulative = [type(m).__name__ for m in norms if m.momentum is None]
+    if cumulative:
+        raise NotImplementedError(f"{cumulative[0]} with momentum=None (a cumulative average of the "
+                                  "batch statistics) is not supported; set a momentum")
+    return norms
+
+
 class _Engine:
     """The sessions of one call signature (module docstring)."""
 
     def __init__(self, owner: ORTModule, exported: ExportedCall, tensor_inputs: list[torch.Tensor],
-                 training: bool) -> None:
+                 training: bool, train_norms: list[torch.nn.modules.batchnorm._BatchNorm]) -> None:
         module = owner.module
         self.exported = exported
-        self.training = training
         named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
         named.update(dict(module.named_buffers(remove_duplicate=False)))
         self.weights = {**exported.parameters, **exported.buffers}  # onnx name -> torch path
@@ -198,12 +208,6 @@ class _Engine:
         debug = owner._debug
         if debug.save_onnx:
             os.makedirs(os.path.dirname(os.path.abspath(debug.onnx_prefix)), exist_ok=True)
-        cumulative = [type(m).__name__ for m in module.modules()
-                      if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
-                      and m.track_running_stats and m.momentum is None]
-        if cumulative:
-            raise NotImplementedError(f"{cumulative[0]} with momentum=None (a cumulative average of the "
-                                      "batch statistics) is not supported; set a momentum")
         if debug.save_onnx:
             ir.save(model, f"{debug.onnx_prefix}_exported.onnx")
         graph_outputs = {o.name for o in model.graph.outputs}
@@ -220,9 +224,7 @@ class _Engine:
                 dims = [int(d) for d in x.shape if isinstance(d, int)]
                 count = int(np.prod(dims)) // dims[1]
                 self.var_stats[var.name] = (count, momentum.as_float() if momentum is not None else 0.9)
-        self.batch_norms = [m for m in module.modules()
-                            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                            and m.training and m.track_running_stats] if self.stat_outputs else []
+        self.batch_norms = train_norms if self.stat_outputs else []
         self.input_names = list(exported.input_names)
         grad_weights = [n for n, path in exported.parameters.items() if named[path].requires_grad]
         grad_inputs = [n for n, t in zip(self.input_names, tensor_inputs)
@@ -339,8 +341,9 @@ class ORTModule(torch.nn.Module):
     def _build(self, key: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
                training: bool) -> _Engine | None:
         try:
+            norms = _training_batch_norms(self.module)  # refuses what is unsupported before exporting
             exported = export_call(self.module, args, kwargs, training=self.module.training)
-            engine = _Engine(self, exported, tensors, training)
+            engine = _Engine(self, exported, tensors, training, norms)
         except Exception as exc:  # noqa: BLE001 - any failure falls back (or is raised) with its reason
             if self._fallback == "raise":
                 raise

@@ -241,24 +241,23 @@ def planner_problem(graph: ir.Graph, options: RecomputeOptions) -> tuple[Recompu
                 edges.append((pid, nid))
             else:  # read by clones, optimizer or precision nodes: alive anyway
                 must_save.add(pid)
+    def stored_bytes(values: list[ir.Value]) -> int:
+        return sum(options.unknown_bytes if (known := value_bytes(v, dims)) is None else known
+                   for v in values)
+
     for nid, node in forward.items():
-        size = 0
-        for value in _clone_outputs(node):
-            if id(value) not in outputs:
-                known = value_bytes(value, dims)
-                size += options.unknown_bytes if known is None else known
+        cloned = _clone_outputs(node)
+        size = stored_bytes([v for v in cloned if id(v) not in outputs])
         sizes[nid] = size
         costs[nid] = options.cost_weight(node.op_type) * size
         heavy = node.op_type in options.compute_intensive_ops and not options.recompute_compute_intensive
         if heavy or not recomputable(node, options):
             must_save.add(nid)
-    for nid, node in list(forward.items()):
         # A Dropout is recomputed from its saved mask: the mask stays whichever way the node goes.
-        kept = [v for v in node.outputs[len(_clone_outputs(node)):] if v.uses() and id(v) not in outputs]
+        kept = [v for v in node.outputs[len(cloned):] if v.uses() and id(v) not in outputs]
         if kept:
             mask_id = f"{nid}/kept"
-            sizes[mask_id] = sum(options.unknown_bytes if value_bytes(v, dims) is None
-                                 else value_bytes(v, dims) or 0 for v in kept)
+            sizes[mask_id] = stored_bytes(kept)
             costs[mask_id] = 0.0
             must_save.add(mask_id)
             edges.append((mask_id, nid))

@@ -88,20 +88,17 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     graph_outputs = {id(v) for v in graph.outputs}
 
     # Which forward values cross the cut, and which Constants are copied instead.
-    copied_constants: set[int] = set()
-    crossing: list[ir.Value] = []
-    seen: set[int] = set()
-    for node, back in zip(nodes, sides):
+    copied_constants: set[int] = set()  # node indices
+    crossing: list[ir.Value] = []  # node outputs are distinct values: no duplicates
+    for index, (node, back) in enumerate(zip(nodes, sides)):
         if back:
             continue
         for value in node.outputs:
-            readers = [u.node for u in value.uses() if id(u.node) in back_ids]
-            if not readers:
+            if not any(id(u.node) in back_ids for u in value.uses()):
                 continue
             if _is_constant(node):
-                copied_constants.add(id(node))
-            elif id(value) not in seen:
-                seen.add(id(value))
+                copied_constants.add(index)
+            else:
                 crossing.append(value)
     stashed = [v for v in crossing if id(v) not in graph_outputs]
     user_outputs = [v for v in graph.outputs
@@ -117,9 +114,8 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     _fill_shape_only_shapes(proto, {v.name for v in crossing})
     forward = ir.from_proto(proto)
     backward = ir.from_proto(proto)
-    index = {id(n): i for i, n in enumerate(nodes)}
     keep_in_forward = {i for i, b in enumerate(sides) if not b}
-    keep_in_backward = {i for i, b in enumerate(sides) if b} | {index[i] for i in copied_constants}
+    keep_in_backward = {i for i, b in enumerate(sides) if b} | copied_constants
 
     # Forward: the forward side, outputs = user outputs + stash.
     fwd_nodes = list(forward.graph)
@@ -145,8 +141,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     backward.graph.remove([n for i, n in enumerate(bwd_nodes) if i not in keep_in_backward], safe=True)
     backward.graph.inputs.clear()
     backward.graph.inputs.extend(new_inputs + caller_inputs)
-    _prune_initializers(backward.graph)
-    _prune_initializers(forward.graph)
+    _prune_initializers(backward.graph)  # the forward's were pruned with its inputs
     for part, name in ((forward, "forward"), (backward, "backward")):
         part.graph.metadata_props[SPLIT_KEY] = name
     return ForwardBackwardSplit(
