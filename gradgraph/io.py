@@ -130,10 +130,9 @@ def remove_stale_temps(target: str | os.PathLike) -> list[Path]:
     return stale
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to a temp file beside ``path`` (a new, unique name: never a file or link
-    that exists), fsync, rename over ``path``, then fsync the folder."""
-    target = Path(path)
+def _new_temp_beside(target: Path) -> tuple[int, str, list[Path]]:
+    """(fd, name, folders created) of a new, unique temp file beside ``target``; its folder is
+    created if missing (and removed again if the temp file cannot be made: a WriteError)."""
     created = _missing_folders(target.parent)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -141,6 +140,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except OSError as exc:
         _remove_empty(created)
         raise _write_error(target, exc) from exc
+    return fd, tmp, created
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a temp file beside ``path`` (a new, unique name: never a file or link
+    that exists), fsync, rename over ``path``, then fsync the folder."""
+    target = Path(path)
+    fd, tmp, created = _new_temp_beside(target)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -166,14 +173,8 @@ def atomic_output_path(path: str | os.PathLike) -> Iterator[str]:
         yield ""
         return
     target = Path(path)
-    created = _missing_folders(target.parent)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=target.parent)
-        os.close(fd)
-    except OSError as exc:
-        _remove_empty(created)
-        raise _write_error(target, exc) from exc
+    fd, tmp, created = _new_temp_beside(target)
+    os.close(fd)
     try:
         yield tmp
     except BaseException:
