@@ -1,9 +1,15 @@
 """PyTorch front ends: :class:`ORTModule` runs a module's forward and backward in onnxruntime;
-:class:`TorchOrtFactory` makes an ONNX graph a ``torch.autograd.Function``."""
+:class:`TorchOrtFactory` makes an ONNX graph a ``torch.autograd.Function``; :class:`ORTTrainer`
+(with :class:`ORTTrainerOptions` and the configs of :mod:`gradgraph.torch.optim`) trains a
+module or an ONNX model with gradgraph's training graph."""
 
+from gradgraph.torch import optim
 from gradgraph.torch.export import ExportFailed, export_call
 from gradgraph.torch.factory import TorchOrtFactory, TorchOrtFunction
 from gradgraph.torch.ortmodule import DebugOptions, ORTModule, ORTModuleTorchModelException
+from gradgraph.torch.trainer import IODescription, ModelDescription, ORTTrainer
+from gradgraph.torch.trainer_options import ORTTrainerOptions
 
-__all__ = ["DebugOptions", "ExportFailed", "ORTModule", "ORTModuleTorchModelException", "TorchOrtFactory",
-           "TorchOrtFunction", "export_call"]
+__all__ = ["DebugOptions", "ExportFailed", "IODescription", "ModelDescription", "ORTModule",
+           "ORTModuleTorchModelException", "ORTTrainer", "ORTTrainerOptions", "TorchOrtFactory",
+           "TorchOrtFunction", "export_call", "optim"]

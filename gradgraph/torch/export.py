@@ -109,8 +109,14 @@ def bn_train_translation() -> dict:
 
 
 def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training: bool,
-                exporter: str = "auto", opset: int = 18) -> ExportedCall:
-    """Export ``module(*args, **kwargs)`` (see the module docstring)."""
+                exporter: str = "auto", opset: int = 18,
+                dynamic: list[dict[int, str]] | None = None) -> ExportedCall:
+    """Export ``module(*args, **kwargs)`` (see the module docstring).
+
+    ``dynamic``: per flat tensor input, the axes to export as symbolic dimensions, named (the
+    exporter may still specialize an axis the module's code fixes; the result's input shapes
+    say which stayed symbolic).
+    """
     leaves, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
     tensors = tuple(x.detach() for x in leaves if isinstance(x, torch.Tensor))
@@ -121,7 +127,7 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
     # BatchNorm would update its running statistics. The buffers are put back afterwards.
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     try:
-        return _export_first(module, flat, tensors, input_names, order, training, opset)
+        return _export_first(module, flat, tensors, input_names, order, training, opset, dynamic)
     finally:
         with torch.no_grad():
             for name, buffer in module.named_buffers():
@@ -130,11 +136,12 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
 
 
 def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_names: list[str],
-                  order: list[str], training: bool, opset: int) -> ExportedCall:
+                  order: list[str], training: bool, opset: int,
+                  dynamic: list[dict[int, str]] | None) -> ExportedCall:
     errors = []
     for which in order:
         try:
-            model = _export(flat, tensors, input_names, which, training, opset)
+            model = _export(flat, tensors, input_names, which, training, opset, dynamic)
         except Exception as exc:  # noqa: BLE001 - each exporter's reason is reported
             errors.append(f"{which}: {type(exc).__name__}: {_reason(exc)}")
             continue
@@ -156,7 +163,7 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
 
 
 def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training: bool,
-            opset: int) -> onnx.ModelProto:
+            opset: int, dynamic: list[dict[int, str]] | None) -> onnx.ModelProto:
     sink = io.StringIO()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), \
             contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
@@ -165,16 +172,20 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
         if which == "dynamo":
             has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in flat.modules())
             table = bn_train_translation() if training and has_bn else None
+            shapes = None
+            if dynamic:  # the wrapper takes *tensors: one tuple of per-input specs
+                shapes = (tuple({axis: torch.export.Dim.AUTO for axis in axes} for axes in dynamic),)
             program = torch.onnx.export(flat, tensors, None, input_names=names, dynamo=True,
                                         optimize=False, custom_translation_table=table,
-                                        opset_version=opset)
+                                        opset_version=opset, dynamic_shapes=shapes)
             if program is None:
                 raise ExportFailed("torch.onnx.export(dynamo=True) returned no program")
             program.save(path, external_data=False)
         elif which == "legacy":
             mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+            axes = {n: dict(d) for n, d in zip(names, dynamic or []) if d} or None
             torch.onnx.export(flat, tensors, path, input_names=names, dynamo=False, training=mode,
-                              do_constant_folding=False, opset_version=opset)
+                              do_constant_folding=False, opset_version=opset, dynamic_axes=axes)
         else:
             raise ValueError(f"exporter must be 'auto', 'dynamo' or 'legacy', not {which!r}")
         return onnx.load(path)

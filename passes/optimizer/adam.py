@@ -7,6 +7,10 @@ Per weight ``w`` with gradient ``g``, learning rate ``lr`` and 1-based step ``t`
 3. ``denom = sqrt(v) / sqrt(1 - beta2 ** t) + eps``;
 4. ``w = w - lr / (1 - beta1 ** t) * m / denom``.
 
+``bias_correction=False`` drops both corrections. ``decay_after_update=True`` (AdamW only) is
+onnxruntime's ``weight_decay_mode=1``, HuggingFace's AdamW: ``w' = w - lr * sqrt(1 - beta2 ** t) /
+(1 - beta1 ** t) * m / (sqrt(v) + eps)``, then ``w = w' - lr * weight_decay * w'``.
+
 Step scalars (bias corrections, ``lr / bc1``) are computed in float64 like torch's Python floats.
 """
 
@@ -16,6 +20,7 @@ import dataclasses
 from typing import ClassVar
 
 from passes.autodiff.builder import OpBuilder, Var
+from passes.autodiff.errors import GradientError
 from passes.optimizer.base import StepScalars, check_number, optimizer_rule
 
 
@@ -26,8 +31,14 @@ class AdamConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    bias_correction: bool = True
+    # AdamW only: decay the updated weight (HuggingFace AdamW, onnxruntime weight_decay_mode=1).
+    decay_after_update: bool = False
 
     def __post_init__(self) -> None:
+        if self.decay_after_update and not self.decoupled:
+            raise GradientError(f"{type(self).__name__}.decay_after_update=True needs decoupled weight "
+                                "decay (use AdamWConfig)")
         check_number(self, "beta1", self.beta1, low=0.0, high=1.0, high_open=True)
         check_number(self, "beta2", self.beta2, low=0.0, high=1.0, high_open=True)
         check_number(self, "eps", self.eps, low=0.0, low_open=True)
@@ -55,6 +66,8 @@ def adam_update(b: OpBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[str, 
                 sc: StepScalars, lr_scale: float) -> tuple[Var, dict[str, Var]]:
     dt = w.known_dtype
     lr64 = sc.lr64(lr_scale)
+    if cfg.decay_after_update:
+        return _adam_hf_update(b, cfg, w, g, state, sc, lr64)
     if cfg.weight_decay and cfg.decoupled:
         w = w * sc.cast(b.Sub(b.const(1.0, lr64.dtype), lr64 * cfg.weight_decay), dt)
     elif cfg.weight_decay:
@@ -62,10 +75,27 @@ def adam_update(b: OpBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[str, 
     m, v = state["exp_avg"], state["exp_avg_sq"]
     m = m + (g - m) * (1.0 - cfg.beta1)
     v = v * cfg.beta2 + g * g * (1.0 - cfg.beta2)
+    if not cfg.bias_correction:
+        return w - sc.cast(lr64, dt) * (m / (b.Sqrt(v) + cfg.eps)), {"exp_avg": m, "exp_avg_sq": v}
     bc2_sqrt = sc.cast(b.Sqrt(sc.bias_correction(cfg.beta2)), dt)
     step_size = sc.cast(lr64 / sc.bias_correction(cfg.beta1), dt)
     denom = b.Sqrt(v) / bc2_sqrt + cfg.eps
     return w - step_size * (m / denom), {"exp_avg": m, "exp_avg_sq": v}
+
+
+def _adam_hf_update(b: OpBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[str, Var],
+                    sc: StepScalars, lr64: Var) -> tuple[Var, dict[str, Var]]:
+    """``decay_after_update``: the moments as Adam's, eps outside the corrected sqrt, then decay."""
+    dt = w.known_dtype
+    m = state["exp_avg"] + (g - state["exp_avg"]) * (1.0 - cfg.beta1)
+    v = state["exp_avg_sq"] * cfg.beta2 + g * g * (1.0 - cfg.beta2)
+    step64 = lr64
+    if cfg.bias_correction:
+        step64 = lr64 * b.Sqrt(sc.bias_correction(cfg.beta2)) / sc.bias_correction(cfg.beta1)
+    w = w - sc.cast(step64, dt) * (m / (b.Sqrt(v) + cfg.eps))
+    if cfg.weight_decay:
+        w = w * sc.cast(b.Sub(b.const(1.0, lr64.dtype), lr64 * cfg.weight_decay), dt)
+    return w, {"exp_avg": m, "exp_avg_sq": v}
 
 
 optimizer_rule(AdamConfig)(adam_update)

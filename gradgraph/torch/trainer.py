@@ -1,0 +1,632 @@
+"""``ORTTrainer``: onnxruntime-training's ORTTrainer API on gradgraph's training session.
+
+``ORTTrainer(model, model_desc, optim_config, loss_fn=None, options=None)``:
+
+- ``model``: a ``torch.nn.Module`` (exported on the first ``train_step`` / ``eval_step``, with
+  ``loss_fn`` combined as ``loss_fn(model(*inputs[:-1]), inputs[-1])``: the label is the last
+  input, the outputs are the loss then the model's outputs), or an ``onnx.ModelProto`` whose
+  loss output is flagged in ``model_desc`` (built at once);
+- ``model_desc``: ``{'inputs': [(name, shape)], 'outputs': [(name, shape[, is_loss])]}``; a
+  string dimension is symbolic (exported as a dynamic axis), an int is fixed; exactly one
+  output has ``is_loss=True``;
+- ``optim_config``: :class:`gradgraph.torch.optim.SGDConfig` / ``AdamConfig`` / ``LambConfig``;
+- ``options``: :class:`ORTTrainerOptions` (or its dict).
+
+The exported model's trained weights are the module's parameters under their own names
+(``fc1.weight``); ``utils.frozen_weights`` and parameter groups name them that way. The
+training graph (forward, gradient, optimizer) is built by :func:`gradgraph.build_training_artifacts`
+and run by :class:`gradgraph.TrainingSession`: its options come from ORTTrainerOptions
+(``batch.gradient_accumulation_steps``, ``utils.grad_norm_clip`` with the config's
+``max_norm_clip``, ``mixed_precision``, ``graph_transformer`` recompute and cast propagation,
+``debug.graph_save_paths``, ``_internal_use.enable_internal_postprocess`` (gradgraph's
+clean-up passes) and ``extra_postprocess``, ``session_options``, ``provider_options``).
+
+Not implemented, refused with ``NotImplementedError`` naming the option: distributed and
+pipeline training (``distributed.*`` other than its defaults), ``utils.memory_efficient_gradient``.
+Accepted without effect (nothing to do in gradgraph): ``utils.run_symbolic_shape_infer`` (ONNX
+shape inference always runs), ``_internal_use.enable_onnx_contrib_ops`` (exports use standard
+ops), ``graph_transformer.allow_layer_norm_mod_precision``.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import torch
+
+from gradgraph.torch.export import ExportedCall, export_call
+from gradgraph.torch.optim import TrainStepInfo, _OptimizerConfig
+from gradgraph.torch.trainer_options import ORTTrainerOptions
+from gradgraph.training.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from gradgraph.training.options import (
+    CastPropagationConfig,
+    DebugOptions,
+    GraphSavePaths,
+    GraphTransformerOptions,
+    MixedPrecisionConfig,
+    TrainingConfig,
+)
+from gradgraph.training.session import MICRO_STEP_KEY, TrainingSession
+from passes.optimizer.optimizer_pass import UpdateOptions
+
+# gradgraph's optimizer state names -> the reference's state_dict names
+_STATE_NAMES = {"exp_avg": "Moment_1", "exp_avg_sq": "Moment_2", "momentum_buffer": "Momentum"}
+_ACCUMULATION = "Gradient_Accumulation_Buffer"
+_CHECKPOINT_KIND = "ORTTrainer"
+
+# options that ask for something not implemented: their "off" values
+_UNSUPPORTED = {
+    "distributed.world_rank": 0, "distributed.world_size": 1, "distributed.local_rank": 0,
+    "distributed.data_parallel_size": 1, "distributed.horizontal_parallel_size": 1,
+    "distributed.allreduce_post_accumulation": False, "distributed.enable_adasum": False,
+    "distributed.deepspeed_zero_optimization.stage": 0,
+    "distributed.pipeline_parallel.pipeline_parallel_size": 1,
+    "distributed.pipeline_parallel.num_pipeline_micro_batches": 1,
+    "distributed.pipeline_parallel.pipeline_cut_info_string": "",
+    "utils.memory_efficient_gradient": False,
+}
+
+
+class IODescription:
+    """``IODescription(name, shape, dtype=None, num_classes=None)`` (the reference's schema class)."""
+
+    def __init__(self, name: str, shape: Sequence[int | str], dtype: Any = None,
+                 num_classes: int | None = None, is_loss: bool = False) -> None:
+        self.name, self.shape, self.dtype, self.num_classes = name, list(shape), dtype, num_classes
+        self.is_loss = is_loss
+
+
+class ModelDescription:
+    """``ModelDescription(inputs, outputs)`` parsed from ORTTrainer's ``model_desc`` dict."""
+
+    def __init__(self, inputs: list[IODescription], outputs: list[IODescription]) -> None:
+        self.inputs, self.outputs = inputs, outputs
+
+    @property
+    def loss(self) -> str:
+        return next(o.name for o in self.outputs if o.is_loss)
+
+    @classmethod
+    def parse(cls, desc: Any) -> ModelDescription:
+        if isinstance(desc, ModelDescription):
+            return desc
+        if not isinstance(desc, Mapping) or set(desc) != {"inputs", "outputs"}:
+            raise ValueError("model_desc must be a dict {'inputs': [(name, shape)], 'outputs': "
+                             f"[(name, shape, is_loss)]}}; got {desc!r}")
+        inputs = [cls._entry(e, f"model_desc['inputs'][{i}]", 2) for i, e in enumerate(desc["inputs"])]
+        outputs = [cls._entry(e, f"model_desc['outputs'][{i}]", 3) for i, e in enumerate(desc["outputs"])]
+        names = [e.name for e in inputs + outputs]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"model_desc: names must be unique; {repeated} repeat")
+        losses = [o.name for o in outputs if o.is_loss]
+        if len(losses) != 1:
+            raise ValueError(f"model_desc: exactly one output must be flagged is_loss=True (the "
+                             f"tuple's third entry); {len(losses)} are: {losses}")
+        return cls(inputs, outputs)
+
+    @staticmethod
+    def _entry(entry: Any, where: str, most: int) -> IODescription:
+        if isinstance(entry, IODescription):
+            return entry
+        if not isinstance(entry, (tuple, list)) or not 2 <= len(entry) <= most:
+            form = "(name, shape)" if most == 2 else "(name, shape) or (name, shape, is_loss)"
+            raise ValueError(f"{where} must be a tuple {form}; got {entry!r}")
+        name, shape = entry[0], entry[1]
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: the name must be a non-empty string; got {name!r}")
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, (list, tuple)) or not all(
+                isinstance(d, str) or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
+                for d in shape):
+            raise ValueError(f"{where} ({name!r}): the shape must be a list of dimensions, each a "
+                             f"string (symbolic) or an int >= 0; got {shape!r}")
+        is_loss = entry[2] if len(entry) == 3 else False
+        if not isinstance(is_loss, bool):
+            raise ValueError(f"{where} ({name!r}): is_loss must be a bool; got {is_loss!r}")
+        return IODescription(name, shape, is_loss=is_loss)
+
+
+class _WithLoss(torch.nn.Module):
+    """The reference's combination: ``(loss_fn(model(*inputs[:-1]), inputs[-1]), model outputs)``."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        preds = self.model(*inputs[:-1])
+        return self.loss_fn(preds, inputs[-1]), preds
+
+
+def _get(options: ORTTrainerOptions, path: str) -> Any:
+    value: Any = options
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _close(name: str, known: Sequence[str]) -> str:
+    near = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+class ORTTrainer:
+    """``ORTTrainer(model, model_desc, optim_config, loss_fn=None, options=None)`` (see the module)."""
+
+    def __init__(self, model: torch.nn.Module | onnx.ModelProto, model_desc: Any,
+                 optim_config: _OptimizerConfig, loss_fn: Any = None,
+                 options: ORTTrainerOptions | Mapping[str, Any] | None = None) -> None:
+        if not isinstance(optim_config, _OptimizerConfig):
+            raise ValueError("optim_config must be gradgraph.torch.optim.SGDConfig, AdamConfig or "
+                             f"LambConfig; got {type(optim_config).__name__}")
+        if options is None or isinstance(options, Mapping):
+            options = ORTTrainerOptions(options)
+        if not isinstance(options, ORTTrainerOptions):
+            raise ValueError(f"options must be an ORTTrainerOptions (or its dict); got {type(options).__name__}")
+        for path, off in _UNSUPPORTED.items():
+            if _get(options, path) != off:
+                what = ("the memory-efficient gradient builder is not implemented"
+                        if path.startswith("utils") else "distributed and pipeline training are not "
+                        "implemented yet (single-process training only)")
+                raise NotImplementedError(f"ORTTrainerOptions {path!r}={_get(options, path)!r}: {what}; "
+                                          f"leave it at {off!r}")
+        self.model_desc = ModelDescription.parse(model_desc)
+        self.optim_config = optim_config
+        self.options = options
+        self.loss_fn = loss_fn
+        self._train_step_info = TrainStepInfo(optim_config)
+        self._session: TrainingSession | None = None
+        self._onnx_model: onnx.ModelProto | None = None
+        self._pending: Callable[[], None] | None = None  # a state load waiting for the session
+        self._static_dims: dict[str, dict[int, int]] = {}
+        self._torch_names: dict[str, str] = {}  # ONNX weight name -> torch state_dict name
+        self._providers, self._provider_options = self._device()
+        if isinstance(model, onnx.ModelProto):
+            if loss_fn is not None:
+                raise ValueError("loss_fn applies to a torch.nn.Module; an ONNX model must compute "
+                                 "its loss (flag that output is_loss=True in model_desc)")
+            self._torch_model: torch.nn.Module | None = None
+            self._build(self._check_onnx(model))
+        elif isinstance(model, torch.nn.Module):
+            self._torch_model = model
+        else:
+            raise ValueError(f"model must be a torch.nn.Module or an onnx.ModelProto; got {type(model).__name__}")
+
+    # ---- building ---------------------------------------------------------------------------
+    def _device(self) -> tuple[list[Any], list[dict[str, Any]] | None]:
+        device = self.options.device.id
+        available = ort.get_available_providers()
+        if device == "cpu" or (not self.options.was_set("device.id") and
+                               "CUDAExecutionProvider" not in available):
+            return ["CPUExecutionProvider"], None
+        if device == "cuda" or device.startswith("cuda:"):
+            index = device.partition(":")[2] or "0"
+            if not index.isdigit():
+                raise ValueError(f"ORTTrainerOptions 'device.id'={device!r}: write 'cpu', 'cuda' or 'cuda:N'")
+            opts: dict[str, Any] = {"device_id": int(index)}
+            if self.options.device.mem_limit:
+                opts["gpu_mem_limit"] = self.options.device.mem_limit
+            opts.update(self.options.provider_options.get("CUDAExecutionProvider", {}))
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"], [opts, {}]
+        raise ValueError(f"ORTTrainerOptions 'device.id'={device!r}: write 'cpu', 'cuda' or 'cuda:N'")
+
+    def _check_onnx(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        inits = {i.name for i in model.graph.initializer}
+        graph_inputs = [i.name for i in model.graph.input if i.name not in inits]
+        wanted = [i.name for i in self.model_desc.inputs]
+        if graph_inputs != wanted:
+            raise ValueError(f"model_desc inputs {wanted} must match the ONNX model's inputs in name "
+                             f"and order: {graph_inputs}")
+        outputs = [o.name for o in model.graph.output]
+        missing = [o.name for o in self.model_desc.outputs if o.name not in outputs]
+        if missing:
+            raise ValueError(f"model_desc outputs {missing} are not outputs of the ONNX model "
+                             f"(it has {outputs})")
+        self._torch_names = {n: n for n in inits}
+        return model
+
+    def _export(self, tensors: list[torch.Tensor]) -> onnx.ModelProto:
+        assert self._torch_model is not None
+        module = self._torch_model if self.loss_fn is None else _WithLoss(self._torch_model, self.loss_fn)
+        dynamic = [{axis: d for axis, d in enumerate(desc.shape) if isinstance(d, str)}
+                   for desc in self.model_desc.inputs]
+        exported = export_call(module, tuple(tensors), {}, training=True,
+                               opset=self.options._internal_use.onnx_opset_version, dynamic=dynamic)
+        return self._rename(exported)
+
+    def _rename(self, exported: ExportedCall) -> onnx.ModelProto:
+        """Inputs and outputs under model_desc's names, weights under the module's own names."""
+        descs = self.model_desc
+        if len(exported.output_names) != len(descs.outputs):
+            combined = " (with loss_fn: the loss, then the model's outputs)" if self.loss_fn else ""
+            raise ValueError(f"model_desc lists {len(descs.outputs)} outputs but the model returns "
+                             f"{len(exported.output_names)} tensors{combined}; list one per tensor, in order")
+        model = ir.from_proto(exported.model)
+        values = {v.name: v for v in model.graph.inputs}
+        values.update({v.name: v for v in model.graph.outputs})
+        renames = dict(zip(exported.input_names, (d.name for d in descs.inputs)))
+        renames.update(zip(exported.output_names, (d.name for d in descs.outputs)))
+        prefix = "module." + ("model." if self.loss_fn is not None else "")
+        torch_names: dict[str, str] = {}
+        inits = list(model.graph.initializers.values())
+        paths = {**exported.parameters, **exported.buffers}
+        for init in inits:
+            old = init.name or ""
+            path = paths.get(old)
+            if path is None:
+                continue
+            new = old[len(prefix):] if old.startswith(prefix) else old.removeprefix("module.")
+            renames[old] = new
+            torch_names[new] = path[len("model."):] if prefix.endswith("model.") and \
+                path.startswith("model.") else path
+            values[old] = init
+        model.graph.initializers.clear()
+        for old, new in renames.items():
+            values[old].name = new
+        for init in inits:
+            model.graph.register_initializer(init)
+        for value, desc in zip(model.graph.inputs, descs.inputs):
+            self._name_dims(value, desc)
+        self._torch_names = torch_names
+        return ir.to_proto(model)
+
+    def _name_dims(self, value: ir.Value, desc: IODescription) -> None:
+        """Symbolic input dimensions under model_desc's names; record those the export fixed."""
+        if value.shape is None:
+            return
+        dims = list(value.shape)
+        fixed = {}
+        for axis, want in enumerate(desc.shape):
+            if axis >= len(dims):
+                break
+            dim = dims[axis]
+            if isinstance(want, str) and isinstance(dim, int):
+                fixed[axis] = dim
+            elif isinstance(want, str):
+                dims[axis] = ir.SymbolicDim(want)
+        value.shape = ir.Shape(dims)
+        if fixed:
+            self._static_dims[desc.name] = fixed
+
+    def _config(self) -> TrainingConfig:
+        opts, cfg = self.options, self.optim_config
+        trained = [n for n in self._torch_names if n in self._parameter_names()]
+        frozen = list(opts.utils.frozen_weights)
+        self._check_names("utils.frozen_weights", frozen, trained)
+        for i, group in enumerate(cfg.params):
+            self._check_names(f"optim_config params[{i}]['params']", group["params"], trained)
+        gt = opts.graph_transformer
+        recompute = None
+        if gt.attn_dropout_recompute or gt.gelu_recompute or gt.transformer_layer_recompute:
+            from passes.recompute import RecomputeOptions
+
+            recompute = RecomputeOptions(gelu=gt.gelu_recompute, attn_dropout=gt.attn_dropout_recompute,
+                                         transformer_layers=gt.transformer_layer_recompute,
+                                         number_recompute_layers=gt.number_recompute_layers)
+        cast = gt.propagate_cast_ops_config
+        mp = MixedPrecisionConfig()
+        if opts.mixed_precision.enabled:
+            scaler = opts.mixed_precision.loss_scaler
+            mp = MixedPrecisionConfig(dtype="float16", **({"loss_scaler": scaler.settings()} if scaler else {}))
+        clip = opts.utils.grad_norm_clip and cfg.clips
+        paths = opts.debug.graph_save_paths
+        return TrainingConfig(
+            loss=self.model_desc.loss,
+            optimizer=cfg.to_pass_config(),
+            weights_to_train=tuple(n for n in trained if n not in frozen),
+            weights_not_to_train=tuple(frozen),
+            update=UpdateOptions(groups=cfg.param_groups(),
+                                 accumulation_steps=opts.batch.gradient_accumulation_steps,
+                                 max_grad_norm=float(cfg.max_norm_clip) if clip else None),  # type: ignore[attr-defined]
+            graph_transformer=GraphTransformerOptions(
+                cleanup=opts._internal_use.enable_internal_postprocess,
+                propagate_cast_ops=CastPropagationConfig(cast.strategy, cast.level, tuple(cast.allow)),
+                recompute=recompute),
+            mixed_precision=mp,
+            debug=DebugOptions(GraphSavePaths(
+                paths.model_after_graph_transforms_path, paths.model_with_gradient_graph_path,
+                paths.model_with_training_graph_path,
+                paths.model_with_training_graph_after_optimization_path)))
+
+    def _parameter_names(self) -> set[str]:
+        if self._torch_model is None:  # an ONNX model: every float initializer
+            assert self._onnx_model is not None
+            return {i.name for i in self._onnx_model.graph.initializer
+                    if i.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
+                                       onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)}
+        return {n for n, _ in self._torch_model.named_parameters(remove_duplicate=False)} | {
+            f"loss_fn.{n}" for n, _ in getattr(self.loss_fn, "named_parameters", lambda: [])()}
+
+    @staticmethod
+    def _check_names(what: str, names: Sequence[str], known: Sequence[str]) -> None:
+        for name in names:
+            if name not in known:
+                raise ValueError(f"{what}: {name!r} is not a trained weight of the model"
+                                 f"{_close(name, known)}; its weights: {sorted(known)[:8]}"
+                                 f"{' ...' if len(known) > 8 else ''}")
+
+    def _build(self, model: onnx.ModelProto) -> None:
+        extra = self.options._internal_use.extra_postprocess
+        if extra is not None:
+            model = extra(model)
+            if not isinstance(model, onnx.ModelProto):
+                raise ValueError("ORTTrainerOptions '_internal_use.extra_postprocess' must return an "
+                                 f"onnx.ModelProto; it returned {type(model).__name__}")
+        self._onnx_model = model
+        sess_options = self.options.session_options
+        if self.options.debug.deterministic_compute:
+            from gradgraph.training.ort_state import copy_session_options
+
+            sess_options = copy_session_options(sess_options)
+            sess_options.use_deterministic_compute = True
+        self._session = TrainingSession(model, self._config(), sess_options, self._providers,
+                                        self._provider_options)
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending()
+
+    def _ensure(self, feeds: dict[str, np.ndarray], tensors: list[torch.Tensor]) -> TrainingSession:
+        if self._session is None:
+            self._build(self._export(tensors))
+            if self.options.debug.check_model_export:
+                self._check_export(feeds, tensors)
+        else:
+            self._check_static_dims(feeds)
+        assert self._session is not None
+        return self._session
+
+    def _check_static_dims(self, feeds: Mapping[str, np.ndarray]) -> None:
+        for name, fixed in self._static_dims.items():
+            for axis, size in fixed.items():
+                if feeds[name].shape[axis] != size:
+                    raise ValueError(f"input {name!r} axis {axis} is symbolic in model_desc but the "
+                                     f"exporter fixed it to {size} (the model's code specializes "
+                                     f"it); feed size {size}, or make the model's code shape-generic")
+
+    def _check_export(self, feeds: dict[str, np.ndarray], tensors: list[torch.Tensor]) -> None:
+        """``debug.check_model_export``: torch (eval, no grad) against the ONNX eval graph."""
+        assert self._torch_model is not None and self._session is not None
+        module = self._torch_model if self.loss_fn is None else _WithLoss(self._torch_model, self.loss_fn)
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                expected = torch.utils._pytree.tree_leaves(module(*tensors))
+        finally:
+            module.train(was_training)
+        got = self._session.eval_step(feeds, [o.name for o in self.model_desc.outputs])
+        for desc, want in zip(self.model_desc.outputs, expected):
+            mine = got[desc.name]
+            ref = want.detach().cpu().numpy()
+            if mine.shape != ref.shape or not np.allclose(mine, ref, rtol=1e-3, atol=1e-5):
+                diff = float(np.max(np.abs(mine - ref))) if mine.shape == ref.shape else math.nan
+                raise RuntimeError(f"debug.check_model_export: output {desc.name!r} of the exported "
+                                   f"model differs from PyTorch's (max abs diff {diff:g}, shapes "
+                                   f"{list(mine.shape)} vs {list(ref.shape)})")
+
+    # ---- steps ------------------------------------------------------------------------------
+    def _feeds(self, args: tuple, kwargs: dict) -> tuple[dict[str, np.ndarray], list[torch.Tensor]]:
+        names = [d.name for d in self.model_desc.inputs]
+        if len(args) > len(names):
+            raise ValueError(f"{len(args)} inputs given; model_desc has {len(names)}: {names}")
+        given = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise ValueError(f"input {key!r} is not in model_desc{_close(key, names)}; inputs: {names}")
+            if key in given:
+                raise ValueError(f"input {key!r} given twice (by position and by name)")
+            given[key] = value
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise ValueError(f"inputs {missing} are missing (model_desc inputs: {names})")
+        tensors = [given[n] if isinstance(given[n], torch.Tensor) else torch.as_tensor(np.asarray(given[n]))
+                   for n in names]
+        feeds = {n: t.detach().cpu().numpy() for n, t in zip(names, tensors)}
+        return feeds, tensors
+
+    def _results(self, out: Mapping[str, np.ndarray]) -> Any:
+        results = [torch.from_numpy(np.array(out[o.name])) for o in self.model_desc.outputs]
+        return results[0] if len(results) == 1 else results
+
+    def train_step(self, *args: Any, **kwargs: Any) -> Any:
+        """One step (a micro-step with accumulation); returns model_desc's outputs (one: itself)."""
+        feeds, tensors = self._feeds(args, kwargs)
+        session = self._ensure(feeds, tensors)
+        info = self._train_step_info
+        scheduler = self.options.lr_scheduler
+        lr = scheduler._step(info)[0] if scheduler is not None else self.optim_config.lr
+        loss = self.model_desc.loss
+        _, out = session.train_step(feeds, lr, fetches=[o.name for o in self.model_desc.outputs])
+        info.step += 1
+        if session.micro_step == 0:
+            info.optimization_step += 1
+            info.all_finite = session.last_step_finite
+            if not info.all_finite and not self.options.mixed_precision.enabled:
+                warnings.warn(f"ORTTrainer: step {info.step}: the loss, gradients or updated weights "
+                              f"are not finite (loss {float(np.asarray(out[loss]).reshape(-1)[0])}); "
+                              "the update was skipped", RuntimeWarning, stacklevel=2)
+        return self._results(out)
+
+    def eval_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The eval graph (dropout off, BatchNorm inference) on the current weights."""
+        feeds, tensors = self._feeds(args, kwargs)
+        session = self._ensure(feeds, tensors)
+        return self._results(session.eval_step(feeds, [o.name for o in self.model_desc.outputs]))
+
+    # ---- state ------------------------------------------------------------------------------
+    def _require(self, what: str) -> TrainingSession | None:
+        if self._session is None:
+            warnings.warn(f"ORTTrainer.{what}: the training session is not built yet (run train_step "
+                          "or eval_step once first)", RuntimeWarning, stacklevel=3)
+        return self._session
+
+    def state_dict(self, pytorch_format: bool = False) -> dict[str, Any]:
+        """The reference's layout (see ORTTrainer.txt); ``pytorch_format``: {torch name: tensor}."""
+        session = self._require("state_dict")
+        if session is None:
+            return {}
+        weights = session.get_model_state()["full_precision"]
+        if pytorch_format:  # constants of the graph (frozen weights) too
+            assert self._onnx_model is not None
+            inits = {i.name: i for i in self._onnx_model.graph.initializer}
+            fixed = {n: onnx.numpy_helper.to_array(inits[n]) for n in self._torch_names
+                     if n not in weights and n in inits}
+            return {self._torch_names.get(n, n): torch.from_numpy(np.array(v))
+                    for n, v in {**fixed, **weights}.items()}
+        names, state = session.names, session.get_state()
+        optimizer: dict[str, Any] = {}
+        for w, kinds in session.artifacts.optimizer_state.items():
+            entry = {_STATE_NAMES.get(k, k): state[names.state(w, k)] for k in kinds}
+            if self.optim_config.name == "AdamOptimizer":
+                entry["Update_Count"] = state[names.step]
+            if names.buffer(w) in state:
+                entry[_ACCUMULATION] = state[names.buffer(w)]
+            optimizer[w] = entry
+        for w in session.artifacts.trained:
+            if w not in optimizer and names.buffer(w) in state:
+                optimizer[w] = {_ACCUMULATION: state[names.buffer(w)]}
+        shared = {"step": state[names.step]}
+        for key in (names.loss_scale, names.stable_steps):
+            if key in state:
+                shared[key] = state[key]
+        optimizer["shared_optimizer_state"] = shared
+        opts = self.options
+        return {
+            "model": {"full_precision": weights},
+            "optimizer": optimizer,
+            "trainer_options": {
+                "mixed_precision": opts.mixed_precision.enabled, "zero_stage": 0,
+                "world_rank": opts.distributed.world_rank, "world_size": opts.distributed.world_size,
+                "optimizer_name": self.optim_config.name,
+                "data_parallel_size": opts.distributed.data_parallel_size,
+                "horizontal_parallel_size": opts.distributed.horizontal_parallel_size},
+            "train_step_info": {"optimization_step": self._train_step_info.optimization_step,
+                                "step": self._train_step_info.step,
+                                "micro_step": session.micro_step},
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a ``state_dict()`` (before the first step: kept and loaded once the session exists)."""
+        if not isinstance(state_dict, Mapping) or "model" not in state_dict:
+            raise CheckpointError("ORTTrainer.load_state_dict: expected the dict state_dict() returns "
+                                  "(with a 'model' entry)")
+        if self._session is None:
+            self._pending = lambda: self.load_state_dict(state_dict, strict)
+            return
+        session = self._session
+        names = session.names
+        flat: dict[str, Any] = dict(state_dict["model"].get("full_precision", {}))
+        reverse = {v: k for k, v in _STATE_NAMES.items()}
+        for w, entry in state_dict.get("optimizer", {}).items():
+            if w == "shared_optimizer_state":
+                for key, value in entry.items():
+                    flat[names.step if key == "step" else key] = value
+                continue
+            for key, value in entry.items():
+                if key == "Update_Count":
+                    continue
+                flat[names.buffer(w) if key == _ACCUMULATION else names.state(w, reverse.get(key, key))] = value
+        info = state_dict.get("train_step_info", {})
+        flat[MICRO_STEP_KEY] = np.array(info.get("micro_step", 0), np.int64)
+        if strict and "optimizer" not in state_dict:
+            strict = False  # a model-only state (include_optimizer_states=False): weights only
+            self._check_complete(flat, session.artifacts.params)
+        session.load_state(flat, strict=strict)
+        self._train_step_info.optimization_step = int(info.get("optimization_step", session.step))
+        self._train_step_info.step = int(info.get("step", self._train_step_info.optimization_step))
+
+    @staticmethod
+    def _check_complete(flat: Mapping[str, Any], params: Sequence[str]) -> None:
+        missing = [p for p in params if p not in flat]
+        if missing:
+            raise CheckpointError(f"ORTTrainer: the state lacks model weights {missing[:4]}")
+
+    def save_checkpoint(self, path: str | os.PathLike, user_dict: Mapping[str, Any] | None = None,
+                        include_optimizer_states: bool = True) -> None:
+        """Write the state (and ``user_dict``, JSON-serialisable) to ``path``, a new file, atomically."""
+        if Path(path).exists():
+            raise FileExistsError(f"ORTTrainer.save_checkpoint: {str(path)!r} exists (the reference "
+                                  "never overwrites a checkpoint); remove it or choose another path")
+        session = self._require("save_checkpoint")
+        if session is None:
+            raise RuntimeError("ORTTrainer.save_checkpoint: nothing to save before the first "
+                               "train_step or eval_step")
+        state = session.get_state()
+        if not include_optimizer_states:
+            state = {n: state[n] for n in session.artifacts.params}
+        info = self._train_step_info
+        meta = {"kind": _CHECKPOINT_KIND, "optimizer": self.optim_config.name,
+                "step": session.step, "micro_step": session.micro_step,
+                "optimization_step": info.optimization_step, "train_step": info.step,
+                "include_optimizer_states": include_optimizer_states, "user": dict(user_dict or {})}
+        write_checkpoint(path, state, meta)
+
+    def load_checkpoint(self, *paths: str | os.PathLike, strict: bool = True) -> dict[str, Any]:
+        """Load a checkpoint of ``save_checkpoint``; returns its ``user_dict``."""
+        if len(paths) != 1:
+            raise NotImplementedError(f"ORTTrainer.load_checkpoint: {len(paths)} paths given; "
+                                      "aggregating per-rank checkpoints comes with distributed "
+                                      "training (not implemented): pass one checkpoint")
+        tensors, meta = read_checkpoint(paths[0])
+        where = f"checkpoint {str(paths[0])!r}"
+        if meta.get("kind") != _CHECKPOINT_KIND:
+            raise CheckpointError(f"{where} was not written by ORTTrainer.save_checkpoint")
+        if strict and meta.get("optimizer") != self.optim_config.name and meta.get("include_optimizer_states"):
+            raise CheckpointError(f"{where} holds {meta.get('optimizer')} state; this trainer uses "
+                                  f"{self.optim_config.name} (load with strict=False for the weights)")
+        if not meta.get("include_optimizer_states", True) or \
+                (not strict and meta.get("optimizer") != self.optim_config.name):
+            state = {"model": {"full_precision": {k: v for k, v in tensors.items()
+                                                  if k != MICRO_STEP_KEY}}}
+            self._load_weights_only(state, where)
+        else:
+            self._load_flat(tensors, meta, strict, where)
+        return dict(meta.get("user", {}))
+
+    def _load_weights_only(self, state: dict[str, Any], where: str) -> None:
+        try:
+            self.load_state_dict(state, strict=True)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{where}: {exc}") from exc
+
+    def _load_flat(self, tensors: dict[str, np.ndarray], meta: Mapping[str, Any], strict: bool,
+                   where: str) -> None:
+        info = {"optimization_step": meta.get("optimization_step", 0), "step": meta.get("train_step", 0)}
+        if self._session is None:
+            self._pending = lambda: self._load_flat(tensors, meta, strict, where)
+            return
+        try:
+            self._session.load_state(tensors, strict=strict)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{where}: {exc}") from exc
+        self._train_step_info.optimization_step = int(info["optimization_step"])
+        self._train_step_info.step = int(info["step"])
+
+    def save_as_onnx(self, path: str | os.PathLike) -> None:
+        """The training model (forward, gradient, optimizer) with the current state as initializers."""
+        session = self._session
+        if session is None:
+            raise RuntimeWarning("ORTTrainer.save_as_onnx: no model yet; run train_step or eval_step "
+                                 "once first")
+        if not str(path) or Path(path).is_dir():
+            raise ValueError(f"ORTTrainer.save_as_onnx: {str(path)!r} is not a file path")
+        model = copy.deepcopy(session.artifacts.train)
+        state = session.get_state()
+        held = {i.name for i in model.graph.input}
+        model.graph.initializer.extend(onnx.numpy_helper.from_array(np.asarray(v), n)
+                                       for n, v in state.items() if n in held)
+        from gradgraph.io import save_model
+
+        save_model(model, path)

@@ -1,0 +1,381 @@
+"""gradgraph.torch.ORTTrainer: options schema, optimizers, schedulers, state and checkpoints.
+
+Oracles: torch.optim (AdamW for Adam's BEFORE_WEIGHT_UPDATE mode, SGD) on a deep copy of the
+module, rel 1e-5 on losses and weights (float32, the same math in another order); the
+HuggingFace AdamW formula written out in torch for AFTER_WEIGHT_UPDATE; the reference's
+scheduler formulas; a TrainingSession configured by hand on the exported model for LAMB and
+Adam on tiny BERT (the same graph and kernels: bit-identical).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch")
+model_zoo = pytest.importorskip("model_zoo")
+
+from gradgraph import GraphTransformerOptions, TrainingConfig, TrainingSession, UpdateOptions  # noqa: E402
+from gradgraph.torch import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
+from passes.optimizer import AdamWConfig, LambConfig  # noqa: E402
+
+RTOL = 1e-5
+CPU = {"device": {"id": "cpu"}}
+DESC = {"inputs": [("x", ["batch", 6]), ("y", ["batch"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", 4])]}
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(steps):
+        n = 8 if step % 2 == 0 else 5  # two batch sizes: the symbolic "batch" axis
+        out.append((torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)))
+    return out
+
+
+def _trainer(config: optim._OptimizerConfig, options: dict | None = None, model=None) -> ORTTrainer:
+    return ORTTrainer(model or _mlp(), DESC, config, torch.nn.CrossEntropyLoss(),
+                      ORTTrainerOptions({**CPU, **(options or {})}))
+
+
+def _assert_weights(trainer: ORTTrainer, ref: torch.nn.Module, rtol: float = RTOL) -> None:
+    mine = trainer.state_dict(pytorch_format=True)
+    for name, value in ref.state_dict().items():
+        np.testing.assert_allclose(mine[name].numpy(), value.numpy(), rtol=rtol, atol=1e-7, err_msg=name)
+
+
+# ---- options -----------------------------------------------------------------------------
+@pytest.mark.parametrize("options,path", [
+    ({"batch": {"gradient_accumulation_steps": 0}}, "batch.gradient_accumulation_steps"),
+    ({"batch": {"gradient_accumulation_steps": 2.5}}, "batch.gradient_accumulation_steps"),
+    ({"batch": {"gradient_acumulation_steps": 2}}, "batch.gradient_acumulation_steps"),
+    ({"device": {"mem_limit": -1}}, "device.mem_limit"),
+    ({"distributed": {"deepspeed_zero_optimization": {"stage": 2}}},
+     "distributed.deepspeed_zero_optimization.stage"),
+    ({"distributed": {"pipeline_parallel": {"sliced_axes": {"a": "x"}}}},
+     "distributed.pipeline_parallel.sliced_axes.a"),
+    ({"mixed_precision": {"enabled": "yes"}}, "mixed_precision.enabled"),
+    ({"mixed_precision": {"loss_scaler": 2.0}}, "mixed_precision.loss_scaler"),
+    ({"lr_scheduler": "linear"}, "lr_scheduler"),
+    ({"graph_transformer": {"propagate_cast_ops_config": {"strategy": "SIDEWAYS"}}},
+     "graph_transformer.propagate_cast_ops_config.strategy"),
+    ({"graph_transformer": {"number_recompute_layers": -1}}, "graph_transformer.number_recompute_layers"),
+    ({"utils": {"frozen_weights": "fc.weight"}}, "utils.frozen_weights"),
+    ({"utils": {"frozen_weights": [3]}}, "utils.frozen_weights[0]"),
+    ({"debug": {"graph_save_paths": {"model_with_gradient_graph_path": None}}},
+     "debug.graph_save_paths.model_with_gradient_graph_path"),
+    ({"_internal_use": {"onnx_opset_version": 11}}, "_internal_use.onnx_opset_version"),
+    ({"_internal_use": {"extra_postprocess": 1}}, "_internal_use.extra_postprocess"),
+    ({"utils": 3}, "utils"),
+    ({"batchsize": 3}, "batchsize"),
+])
+def test_invalid_options_name_their_key_path(options, path):
+    with pytest.raises(ValueError, match=f"'{path}'".replace("[", r"\[").replace("]", r"\]")):
+        ORTTrainerOptions(options)
+
+
+def test_option_defaults_read_as_attributes():
+    opts = ORTTrainerOptions({"batch": {"gradient_accumulation_steps": 4},
+                              "graph_transformer": {"propagate_cast_ops_config": {"propagate_cast_ops_level": 2}}})
+    assert opts.batch.gradient_accumulation_steps == 4
+    assert opts.mixed_precision.enabled is False and opts.mixed_precision.loss_scaler is None
+    assert opts.graph_transformer.propagate_cast_ops_config.level == 2  # long form accepted
+    assert opts.utils.grad_norm_clip is True and opts.utils.frozen_weights == []
+    assert opts.distributed.pipeline_parallel.pipeline_parallel_size == 1
+    with pytest.raises(AttributeError, match="batch.size"):
+        _ = opts.batch.size
+
+
+@pytest.mark.parametrize("options", [{"distributed": {"world_size": 2}},
+                                     {"utils": {"memory_efficient_gradient": True}}])
+def test_unimplemented_options_are_refused_by_name(options):
+    with pytest.raises(NotImplementedError, match=next(iter(options))):
+        _trainer(optim.SGDConfig(), options)
+
+
+@pytest.mark.parametrize("desc,match", [
+    ({"inputs": [("x", ["batch", 6])], "outputs": [("loss", [])]}, "exactly one output"),
+    ({"inputs": [("x", ["batch", 6])], "outputs": [("a", [], True), ("b", [], True)]}, "exactly one output"),
+    ({"inputs": [("x", "batch")], "outputs": [("loss", [], True)]}, "shape"),
+    ({"inputs": [("x", [-1])], "outputs": [("loss", [], True)]}, "shape"),
+    ({"inputs": [("x", [1])]}, "model_desc must be a dict"),
+])
+def test_invalid_model_desc(desc, match):
+    with pytest.raises(ValueError, match=match):
+        ORTTrainer(_mlp(), desc, optim.SGDConfig(), options=CPU)
+
+
+def test_optimizer_config_checks():
+    with pytest.raises(ValueError, match="'lr' is not supported inside a parameter group"):
+        optim.AdamConfig([{"params": ["0.weight"], "lr": 0.1}])
+    with pytest.raises(ValueError, match="does not have"):
+        optim.AdamConfig([{"params": ["0.weight"], "ratio_min": 0.1}])
+    with pytest.raises(ValueError, match="beta1"):
+        optim.LambConfig(alpha=1.5)
+    with pytest.raises(ValueError, match="empty list"):
+        optim.SGDConfig([{"params": ["0.weight"], "lr": 0.1}])
+    trainer = _trainer(optim.AdamConfig([{"params": ["0.wieght"], "lambda_coef": 0.0}]))
+    with pytest.raises(ValueError, match="did you mean '0.weight'"):
+        trainer.train_step(*_batches(1)[0])
+
+
+# ---- training against torch --------------------------------------------------------------
+def test_adam_trains_like_torch_adamw_with_groups_and_dynamic_batch():
+    """BEFORE_WEIGHT_UPDATE decay is torch's AdamW; a group turns decay off for the biases."""
+    groups = [{"params": ["0.bias", "2.bias"], "lambda_coef": 0.0}]
+    trainer = _trainer(optim.AdamConfig(groups, lr=1e-2, lambda_coef=0.05),
+                       {"utils": {"grad_norm_clip": False}})
+    ref = _mlp()
+    params = dict(ref.named_parameters())
+    opt = torch.optim.AdamW([{"params": [params["0.weight"], params["2.weight"]]},
+                             {"params": [params["0.bias"], params["2.bias"]], "weight_decay": 0.0}],
+                            lr=1e-2, weight_decay=0.05)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for step, (x, y) in enumerate(_batches(10)):
+        loss, logits = trainer.train_step(x, y)
+        opt.zero_grad()
+        expected = loss_fn(ref(x), y)
+        expected.backward()
+        opt.step()
+        np.testing.assert_allclose(float(loss), float(expected), rtol=RTOL, err_msg=f"step {step}")
+        assert list(logits.shape) == [len(x), 4]
+    _assert_weights(trainer, ref)
+    assert trainer._train_step_info.optimization_step == 10
+
+
+def test_adam_after_update_is_huggingface_adamw():
+    lr, wd, b1, b2, eps = 1e-2, 0.1, 0.9, 0.999, 1e-8
+    trainer = _trainer(optim.AdamConfig(lr=lr, lambda_coef=wd,
+                                        weight_decay_mode=optim.AdamConfig.DecayMode.AFTER_WEIGHT_UPDATE),
+                       {"utils": {"grad_norm_clip": False}})
+    ref = _mlp()
+    state = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in ref.named_parameters()}
+    for t, (x, y) in enumerate(_batches(6), start=1):
+        trainer.train_step(x, y)
+        ref.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                m, v = state[name]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                step = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+                p.sub_(step * m / (v.sqrt() + eps))
+                p.sub_(lr * wd * p)
+    _assert_weights(trainer, ref)
+
+
+def test_sgd_with_a_scheduler_and_frozen_weights_trains_like_torch():
+    total = 8
+    scheduler = optim.LinearWarmupLRScheduler(total_steps=total, warmup=0.25)
+    trainer = _trainer(optim.SGDConfig(lr=0.1), {"lr_scheduler": scheduler,
+                                                 "utils": {"frozen_weights": ["0.weight"]}})
+    ref = _mlp()
+    ref[0].weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    for step, (x, y) in enumerate(_batches(total)):
+        trainer.train_step(x, y)
+        for group in opt.param_groups:  # the reference formula at optimization_step = step
+            group["lr"] = 0.1 * (step / 2 if step < 2 else max(0.0, (total - step) / (total - 2)))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+        assert scheduler.get_last_lr() == [pytest.approx(opt.param_groups[0]["lr"])]
+    _assert_weights(trainer, ref)
+    np.testing.assert_array_equal(trainer.state_dict(pytorch_format=True)["0.weight"].numpy(),
+                                  _mlp()[0].weight.detach().numpy())
+
+
+@pytest.mark.parametrize("make,formula", [
+    (lambda: optim.ConstantWarmupLRScheduler(100, warmup=0.1), lambda s: min(s / 10, 1.0)),
+    (lambda: optim.CosineWarmupLRScheduler(100, warmup=0.1),
+     lambda s: s / 10 if s < 10 else max(0.0, 0.5 * (1 + math.cos(math.pi * (s - 10) / 90)))),
+    (lambda: optim.LinearWarmupLRScheduler(100, warmup=0.1),
+     lambda s: s / 10 if s < 10 else max(0.0, (100 - s) / 90)),
+    (lambda: optim.PolyWarmupLRScheduler(100, lr_end=1e-4, power=2.0, warmup=0.1),
+     lambda s: s / 10 if s < 10 else 1e-4 / 0.5 if s > 100
+     else ((0.5 - 1e-4) * (1 - (s - 10) / 90) ** 2 + 1e-4) / 0.5),
+])
+def test_schedulers_follow_the_reference_formulas(make, formula):
+    scheduler = make()
+    info = optim.TrainStepInfo(optim.SGDConfig(lr=0.5))
+    for step in (0, 1, 5, 10, 11, 50, 99, 100, 120):
+        info.optimization_step = step
+        assert scheduler.get_lr(info)[0] == pytest.approx(0.5 * formula(step), rel=1e-12, abs=1e-15)
+
+
+def test_scheduler_arguments_are_checked():
+    with pytest.raises(ValueError, match="total_steps"):
+        optim.LinearWarmupLRScheduler(0)
+    with pytest.raises(ValueError, match="warmup"):
+        optim.CosineWarmupLRScheduler(10, warmup=1.5)
+
+
+def test_gradient_accumulation_counts_optimizer_steps():
+    trainer = _trainer(optim.SGDConfig(lr=0.1), {"batch": {"gradient_accumulation_steps": 2}})
+    before = trainer.state_dict(pytorch_format=True) if trainer._session else None
+    assert before is None  # built on the first step
+    for x, y in _batches(3):
+        trainer.train_step(x, y)
+    assert trainer._train_step_info.step == 3
+    assert trainer._train_step_info.optimization_step == 1
+    assert trainer.state_dict()["train_step_info"]["micro_step"] == 1
+
+
+def test_a_non_finite_loss_warns_and_skips_the_update():
+    trainer = _trainer(optim.SGDConfig(lr=0.1))
+    x, y = _batches(1)[0]
+    trainer.train_step(x, y)
+    before = trainer.state_dict(pytorch_format=True)
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        trainer.train_step(torch.full_like(x, float("nan")), y)
+    assert trainer._train_step_info.all_finite is False
+    after = trainer.state_dict(pytorch_format=True)
+    for name in before:
+        np.testing.assert_array_equal(after[name].numpy(), before[name].numpy())
+
+
+def test_inputs_by_name_eval_step_and_check_model_export(tmp_path):
+    trainer = _trainer(optim.SGDConfig(lr=0.1), {"debug": {"check_model_export": True}})
+    x, y = _batches(1)[0]
+    trainer.train_step(y=y, x=x)
+    loss, logits = trainer.eval_step(x, y)
+    ref = _mlp()
+    with torch.no_grad():
+        for (name, p) in ref.named_parameters():
+            p.copy_(trainer.state_dict(pytorch_format=True)[name])
+        np.testing.assert_allclose(logits.numpy(), ref(x).numpy(), rtol=RTOL, atol=1e-6)
+    with pytest.raises(ValueError, match="'z' is not in model_desc"):
+        trainer.train_step(x, y, z=1)
+    with pytest.raises(ValueError, match=r"missing"):
+        trainer.train_step(x)
+
+
+# ---- state, checkpoints, files ----------------------------------------------------------
+def _losses(trainer: ORTTrainer, batches) -> list[float]:
+    return [float(trainer.train_step(x, y)[0]) for x, y in batches]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_checkpoint_continues_bit_identically(tmp_path, accumulate):
+    options = {"batch": {"gradient_accumulation_steps": accumulate}}
+    batches = _batches(7)
+    first = _trainer(optim.LambConfig(lr=1e-2, lambda_coef=0.01), options)
+    _losses(first, batches[:3])  # mid-accumulation when accumulate=2
+    path = tmp_path / "ckpt"
+    first.save_checkpoint(path, {"epoch": 3})
+    with pytest.raises(FileExistsError, match="exists"):
+        first.save_checkpoint(path)
+    expected = _losses(first, batches[3:])
+
+    second = _trainer(optim.LambConfig(lr=1e-2, lambda_coef=0.01), options, model=_mlp(seed=5))
+    assert second.load_checkpoint(path) == {"epoch": 3}  # before the first step: applied at build
+    assert _losses(second, batches[3:]) == expected
+    mine, ref = second.state_dict(), first.state_dict()
+    for name, value in ref["model"]["full_precision"].items():
+        np.testing.assert_array_equal(mine["model"]["full_precision"][name], value)
+    assert mine["train_step_info"] == ref["train_step_info"]
+
+
+def test_state_dict_round_trips_and_has_the_reference_layout():
+    batches = _batches(5)
+    first = _trainer(optim.AdamConfig(lr=1e-2))
+    _losses(first, batches[:2])
+    state = first.state_dict()
+    assert set(state) == {"model", "optimizer", "trainer_options", "train_step_info"}
+    assert set(state["optimizer"]["0.weight"]) == {"Moment_1", "Moment_2", "Update_Count"}
+    assert int(state["optimizer"]["shared_optimizer_state"]["step"]) == 2
+    assert state["trainer_options"]["optimizer_name"] == "AdamOptimizer"
+    expected = _losses(first, batches[2:])
+    second = _trainer(optim.AdamConfig(lr=1e-2), model=_mlp(seed=9))
+    second.train_step(*batches[0])  # built; then overwritten by the state
+    second.load_state_dict(state)
+    assert _losses(second, batches[2:]) == expected
+    bad = {**state, "model": {"full_precision": {**state["model"]["full_precision"], "extra": np.zeros(1)}}}
+    with pytest.raises(ValueError, match="extra"):
+        second.load_state_dict(bad, strict=True)
+
+
+def test_weights_only_checkpoint_and_wrong_optimizer(tmp_path):
+    trainer = _trainer(optim.AdamConfig(lr=1e-2))
+    _losses(trainer, _batches(2))
+    trainer.save_checkpoint(tmp_path / "w", include_optimizer_states=False)
+    trainer.save_checkpoint(tmp_path / "full")
+    other = _trainer(optim.LambConfig(lr=1e-2), model=_mlp(seed=3))
+    other.train_step(*_batches(1)[0])
+    with pytest.raises(ValueError, match="AdamOptimizer"):
+        other.load_checkpoint(tmp_path / "full")
+    other.load_checkpoint(tmp_path / "w")
+    mine = other.state_dict(pytorch_format=True)
+    for name, value in trainer.state_dict(pytorch_format=True).items():
+        np.testing.assert_array_equal(mine[name].numpy(), value.numpy())
+
+
+def test_save_as_onnx_and_an_onnx_model(tmp_path):
+    trainer = _trainer(optim.SGDConfig(lr=0.1))
+    with pytest.raises(RuntimeWarning):
+        trainer.save_as_onnx(tmp_path / "m.onnx")
+    x, y = _batches(1)[0]
+    trainer.train_step(x, y)
+    trainer.save_as_onnx(tmp_path / "m.onnx")
+    saved = onnx.load(tmp_path / "m.onnx")
+    onnx.checker.check_model(saved)
+    assert {"0.weight", "2.bias"} <= {i.name for i in saved.graph.initializer}
+
+    # the exported forward model, trained as an ONNX model (loss flagged in model_desc)
+    forward = trainer._onnx_model
+    onnx_trainer = ORTTrainer(forward, DESC, optim.SGDConfig(lr=0.1), options=CPU)
+    torch_trainer = _trainer(optim.SGDConfig(lr=0.1))
+    for x, y in _batches(3):
+        a, b = onnx_trainer.train_step(x, y)[0], torch_trainer.train_step(x, y)[0]
+        assert float(a) == float(b)
+    with pytest.raises(ValueError, match="must match the ONNX model's inputs"):
+        ORTTrainer(forward, {"inputs": [("y", ["batch"]), ("x", ["batch", 6])],
+                             "outputs": [("loss", [], True)]}, optim.SGDConfig(), options=CPU)
+
+
+# ---- tiny BERT: LAMB and Adam against the training-graph session -----------------------
+def _bert_session(trainer: ORTTrainer, optimizer, clip: float | None) -> TrainingSession:
+    """A TrainingSession configured by hand (not from the trainer's options) on the export."""
+    params = dict(trainer._torch_model.named_parameters(remove_duplicate=False))
+    trained = tuple(n for n in trainer._torch_names if n in params)
+    config = TrainingConfig(loss="loss", optimizer=optimizer, weights_to_train=trained,
+                            update=UpdateOptions(max_grad_norm=clip),
+                            graph_transformer=GraphTransformerOptions(cleanup=True))
+    return TrainingSession(trainer._onnx_model, config, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,optimizer", [
+    (lambda: optim.LambConfig(lr=2e-3, lambda_coef=0.01),
+     LambConfig(weight_decay=0.01, bias_correction=False, eps=1e-6)),
+    (lambda: optim.AdamConfig(lr=2e-3, lambda_coef=0.01), AdamWConfig(weight_decay=0.01)),
+])
+def test_tiny_bert_matches_the_training_session(config, optimizer):
+    module, batch, names = model_zoo.build("bert", "train_p0")
+    desc = {"inputs": [(n, ["batch", "seq"]) for n in names], "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(copy.deepcopy(module), desc, config(), options=CPU)
+    feeds = {n: t.numpy() for n, t in zip(names, batch)}
+    first = float(trainer.train_step(*batch))
+    session = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = _bert_session(trainer, optimizer, clip=1.0)
+    ours = [first] + [float(trainer.train_step(*batch)) for _ in range(4)]
+    theirs = [session.train_step(feeds, lr=2e-3) for _ in range(5)]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    mine = trainer.state_dict()["model"]["full_precision"]
+    for name, value in session.get_model_state()["full_precision"].items():
+        np.testing.assert_allclose(mine[name], value, rtol=1e-6, atol=1e-8, err_msg=name)
+    assert ours[-1] < ours[0]
