@@ -379,3 +379,16 @@ def test_tiny_bert_matches_the_training_session(config, optimizer):
     for name, value in session.get_model_state()["full_precision"].items():
         np.testing.assert_allclose(mine[name], value, rtol=1e-6, atol=1e-8, err_msg=name)
     assert ours[-1] < ours[0]
+
+
+def test_training_parameters_adam_decay_is_decoupled_as_in_onnxruntime():
+    """onnxruntime's AdamOptimizer: mode 0 decays with the update (torch AdamW), mode 1 after it."""
+    from gradgraph import TrainingParameters
+
+    params = TrainingParameters()
+    params.loss_output_name = "loss"
+    params.optimizer_attributes_map = {"w": {"lambda": 0.01}}
+    assert params.to_config().optimizer == AdamWConfig(weight_decay=0.01)
+    params.optimizer_attributes_map = {}
+    params.optimizer_int_attributes_map = {"w": {"weight_decay_mode": 1}}
+    assert params.to_config().optimizer == AdamWConfig(weight_decay=0.0, decay_after_update=True)

@@ -22,7 +22,9 @@ gradgraph's ``sgd``, ``adam``, ``adamw``, ``lamb``. ``optimizer_attributes_map``
 name to float attributes; the reference's keys ``alpha`` (beta1), ``beta`` (beta2),
 ``lambda`` (weight decay) and ``epsilon`` are translated, gradgraph field names pass through.
 ``optimizer_int_attributes_map`` accepts ``do_bias_correction`` (LAMB) and
-``weight_decay_mode`` (Adam: 1 = decoupled, i.e. AdamW). As in the reference, global
+``weight_decay_mode`` (Adam's weight decay ``lambda`` is decoupled as in onnxruntime: mode 0
+decays in the same step as the update, torch's AdamW; mode 1 decays the updated weight,
+HuggingFace's AdamW). As in the reference, global
 gradient-norm clipping (``enable_grad_norm_clip``, on by default; threshold ``max_grad_norm``,
 a gradgraph extension defaulting to 1.0) applies to Adam and LAMB, not SGD.
 """
@@ -146,8 +148,12 @@ class TrainingParameters:
         name = self.training_optimizer_name or "AdamOptimizer"
         key = _REFERENCE_OPTIMIZERS.get(name.lower(), name.lower())
         ints = {k: v for attrs in self.optimizer_int_attributes_map.values() for k, v in attrs.items()}
-        if key == "adam" and ints.get("weight_decay_mode") == 1:
-            key = "adamw"
+        floats = {k: v for attrs in self.optimizer_attributes_map.values() for k, v in attrs.items()}
+        decay_after = reference_adam = False
+        # onnxruntime's AdamOptimizer decays decoupled in both modes: mode 0 in the same step as
+        # the update (torch's AdamW), mode 1 after it (HuggingFace's AdamW).
+        if key == "adam" and (ints.get("weight_decay_mode") == 1 or floats.get("lambda", 0.0)):
+            key, decay_after, reference_adam = "adamw", ints.get("weight_decay_mode") == 1, True
         cls = config_type(key)
         fields = {f.name for f in dataclasses.fields(cls)}
 
@@ -170,6 +176,8 @@ class TrainingParameters:
         if per_weight:
             first = next(iter(per_weight.values()))
             shared = {k: v for k, v in first.items() if all(a.get(k) == v for a in per_weight.values())}
+        if reference_adam:  # the reference's lambda defaults to 0, not AdamWConfig's 0.01
+            shared = {"weight_decay": 0.0, "decay_after_update": decay_after, **shared}
         base = cls(**shared)
         groups = tuple(ParamGroup((w,), {k: v for k, v in a.items() if shared.get(k) != v})
                        for w, a in sorted(per_weight.items()) if any(shared.get(k) != v for k, v in a.items()))
