@@ -392,3 +392,14 @@ def test_training_parameters_adam_decay_is_decoupled_as_in_onnxruntime():
     params.optimizer_attributes_map = {}
     params.optimizer_int_attributes_map = {"w": {"weight_decay_mode": 1}}
     assert params.to_config().optimizer == AdamWConfig(weight_decay=0.0, decay_after_update=True)
+
+
+def test_mixed_precision_trains_with_a_dynamic_loss_scale():
+    scaler = optim.DynamicLossScaler(loss_scale=float(1 << 10), up_scale_window=2)
+    trainer = _trainer(optim.AdamConfig(lr=1e-2), {"mixed_precision": {"enabled": True, "loss_scaler": scaler}})
+    batches = _batches(6)
+    losses = _losses(trainer, batches)
+    shared = trainer.state_dict()["optimizer"]["shared_optimizer_state"]
+    assert float(shared["loss_scale"]) == 1024 * 2 ** (len(batches) // 2)  # x2 per 2 finite steps
+    fp32 = _trainer(optim.AdamConfig(lr=1e-2))
+    np.testing.assert_allclose(losses, _losses(fp32, batches), rtol=1e-2)  # fp16 compute
