@@ -75,3 +75,17 @@ def run_child(argv: list[str], env: dict[str, str] | None = None, timeout: int =
             return json.loads(line[len("RESULT "):])
     tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])
     return {"ok": False, "error": f"rc={proc.returncode}: {tail[:600]}"}
+
+
+def time_steps_no_wait(step: Callable[[], object], warmup: int, reps: int) -> dict:
+    """:func:`time_steps` without the peer's wait for a quiet machine and without its re-measuring
+    on foreign load: one timed loop, its load (``other_cores``) still recorded. For quick checks on
+    a busy machine, whose figures then include that load."""
+    if (PEER / "common.py").exists():
+        sys.path.insert(0, str(PEER))
+        import common  # noqa: PLC0415 - the peer's module, found at run time
+
+        timing, _ = common.time_steps(step, warmup=warmup, repeat=reps, quiet=False, attempts=1)
+        return {k: timing[k] for k in ("median_ms", "min_ms", "other_cores", "attempts")}
+    times = timed_runs(step, warmup, reps)
+    return {"median_ms": statistics.median(times), "min_ms": min(times)}
