@@ -375,3 +375,50 @@ def save_path_of(config: TrainingConfig, stage: str) -> Path | None:
         if name == stage and getattr(paths, field):
             return Path(getattr(paths, field))
     return None
+
+
+def gradient_model(artifacts: TrainingArtifacts) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """The forward and gradient graph without the optimizer (data-parallel training runs the
+    update itself once the gradients are all-reduced): held tensors are inputs, outputs are the
+    model's, the running-statistics updates and one gradient per trained weight.
+
+    Returns the model and ``{weight: gradient output name}``.
+    """
+    if artifacts.gradient is None:
+        raise GradientError("the artifacts hold no gradient-stage model")
+    config = artifacts.config
+    update = dataclasses.replace(config.update, accumulation_steps=1, keep_gradient_outputs=True,
+                                 max_grad_norm=None)
+    stage = training_stage(dataclasses.replace(config, update=update), apply=False)
+    model = ir.from_proto(artifacts.gradient)
+    grads = {w: v.name or "" for w, v in gradient_outputs(model.graph).items() if w in artifacts.trained}
+    model = Pipeline([stage]).run(model)
+    return ir.to_proto(model), grads
+
+
+def apply_model(artifacts: TrainingArtifacts, weights: Sequence[str]) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """The optimizer update of ``weights`` alone, their gradients fed as inputs ``<w>.grad_in``
+    (already averaged and clipped by the caller): held inputs are the weights, their state and
+    the step counter.
+
+    Returns the model and ``{weight: gradient input name}``.
+    """
+    config = artifacts.config
+    train = artifacts.train
+    opset = next((o.version for o in train.opset_import if o.domain in ("", "ai.onnx")), 18)
+    graph = ir.Graph([], [], nodes=[], opset_imports={"": opset}, name="apply")
+    grads, names = {}, {}
+    for w in weights:
+        array = artifacts.initial[w]
+        dtype = ir.DataType.from_numpy(array.dtype)
+        value = ir.Value(name=w, type=ir.TensorType(dtype), shape=ir.Shape(array.shape))
+        grad = ir.Value(name=w + ".grad_in", type=ir.TensorType(dtype), shape=ir.Shape(array.shape))
+        graph.inputs.extend([value, grad])
+        grads[w], names[w] = grad, grad.name or ""
+    model = ir.Model(graph, ir_version=train.ir_version)
+    update = dataclasses.replace(config.update, accumulation_steps=1, max_grad_norm=None,
+                                 keep_gradient_outputs=False)
+    settings = dataclasses.replace(config.optimizer_settings(), update=update)
+    OptimizerPass(settings, grads, apply=True)(model)
+    FinishPass()(model)
+    return ir.to_proto(model), names

@@ -37,6 +37,7 @@ from gradgraph.training.build import (
     inference_model,
 )
 from gradgraph.training.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from gradgraph.training.distributed import DataParallelRunner, DistributedConfig
 from gradgraph.training.ort_state import GraphRunner, StateStore, copy_session_options
 from gradgraph.training.parameters import TrainingParameters
 from passes.autodiff import GradientError
@@ -110,7 +111,8 @@ class TrainingSession:
                  sess_options: ort.SessionOptions | None = None,
                  providers: Sequence[Any] | None = None,
                  provider_options: Sequence[dict[str, Any]] | None = None, *,
-                 save_stages: str | os.PathLike | None = None) -> None:
+                 save_stages: str | os.PathLike | None = None,
+                 distributed: DistributedConfig | None = None) -> None:
         if isinstance(parameters, TrainingParameters):
             config = parameters.to_config()
             initial_optimizer_state = parameters.optimizer_initial_state
@@ -141,6 +143,11 @@ class TrainingSession:
         self._finite_output = self.names.finite if self.names.finite in self._train.fetchable else None
         if initial_optimizer_state:
             self._load_optimizer_state(initial_optimizer_state)
+        # Data parallel (see gradgraph.training.distributed): world size > 1.
+        self.distributed = distributed
+        self._dp: DataParallelRunner | None = None
+        if distributed is not None and distributed.active:
+            self._dp = DataParallelRunner(self, distributed, sess_options, provider_options)
 
     # ---- state --------------------------------------------------------------------------
     def _init_state(self) -> None:
@@ -176,9 +183,10 @@ class TrainingSession:
 
     def get_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
         names = self.names
-        state: dict[str, dict[str, np.ndarray]] = {
+        state: dict[str, dict[str, np.ndarray]] = {  # ZeRO-1: this rank's partition
             w: {s: self.store.get(names.state(w, s)) for s in states}
-            for w, states in self.artifacts.optimizer_state.items()}
+            for w, states in self.artifacts.optimizer_state.items()
+            if all(names.state(w, s) in self.store for s in states)}
         state["shared_optimizer_state"] = {"step": self.store.get(names.step)}
         return state
 
@@ -254,6 +262,14 @@ class TrainingSession:
             feeds.pop(names.learning_rate, None)
         loss = self.config.loss
         wanted = [loss] + [f for f in fetches if f != loss]
+        if self._dp is not None:
+            feeds.pop(names.reset, None)
+            rate = feeds.pop(names.learning_rate, None)
+            try:
+                out = self._dp.train_step(feeds, float(rate) if rate is not None else 0.0, wanted)
+            except _RUN_ERRORS as exc:
+                raise _run_error(exc, "the training step") from exc
+            return self._loss_value(out, loss, fetches)
         finite = self._finite_output if applying else None
         try:
             out = runner.run(self.store, feeds, wanted + ([finite] if finite and finite not in wanted else []))
@@ -263,6 +279,11 @@ class TrainingSession:
         if finite is not None:
             self.last_step_finite = bool(out[finite])
             self.skipped_steps += not self.last_step_finite
+        return self._loss_value(out, loss, fetches)
+
+    @staticmethod
+    def _loss_value(out: dict[str, np.ndarray], loss: str,
+                    fetches: Sequence[str]) -> float | tuple[float, dict[str, np.ndarray]]:
         if out[loss].size != 1:
             raise GradientError(f"loss {loss!r} has shape {list(out[loss].shape)}, not a scalar; "
                                 "reduce it in the model or set loss_reduction='sum' or 'mean'")

@@ -1,0 +1,102 @@
+"""Data-parallel TrainingSession on torch.distributed (gloo, 2 ranks on loopback).
+
+Oracle: the same training in one process on the concatenated shards (batch 2B). Tolerance:
+rel 1e-5 on the weights after 10 optimizer steps (float32; the all-reduce sums in another
+order). Every launch is bounded in time and its processes are killed on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, BATCH = 10, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(world: int, out: Path, args: list[str], timeout: float = 180.0) -> list[subprocess.CompletedProcess]:
+    """Run ``world`` ranks of the worker; kill them all if any exceeds ``timeout``."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def _train(tmp: Path, world: int, accumulate: int, zero: int, post: int) -> tuple[dict, dict]:
+    out = tmp / f"w{world}_a{accumulate}_z{zero}_p{post}"
+    batch = BATCH * (2 // world)  # one process: the concatenated batch
+    results = _launch(world, out, [str(STEPS), str(batch), str(accumulate), str(zero), str(post)])
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return dict(np.load(str(out) + ".npz")), json.loads(Path(str(out) + ".json").read_text())
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """The oracle runs, one per accumulation count, computed once."""
+    cache: dict[int, tuple[dict, dict]] = {}
+
+    def run(accumulate: int) -> tuple[dict, dict]:
+        if accumulate not in cache:
+            cache[accumulate] = _train(tmp_path_factory.mktemp("single"), 1, accumulate, 0, 1)
+        return cache[accumulate]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulate,zero,post", [(1, 0, 1), (2, 0, 1), (2, 0, 0), (1, 1, 1), (2, 1, 1)])
+def test_two_ranks_train_like_one_process_on_the_whole_batch(tmp_path, single_process, accumulate, zero, post):
+    single, single_info = single_process(accumulate)
+    double, info = _train(tmp_path, 2, accumulate, zero, post)
+    assert info["step"] == single_info["step"] == STEPS
+    for name, value in single.items():
+        np.testing.assert_allclose(double[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    if zero == 1:  # rank 0 keeps about half of the AdamW moments
+        full = sum(2 * v.nbytes for v in single.values())
+        assert 0 < info["state_bytes"] < full
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_makes_the_others_fail_with_a_clear_error(tmp_path):
+    start = time.monotonic()
+    results = _launch(2, tmp_path / "dead", [str(STEPS), str(BATCH), "1", "0", "1", "3"], timeout=120)
+    assert results[1].returncode == 3
+    assert results[0].returncode != 0
+    assert time.monotonic() - start < 90
+    assert "DistributedError" in results[0].stderr and "another rank stopped" in results[0].stderr, \
+        results[0].stderr[-2000:]
