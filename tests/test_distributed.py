@@ -100,3 +100,91 @@ def test_a_rank_that_dies_makes_the_others_fail_with_a_clear_error(tmp_path):
     assert time.monotonic() - start < 90
     assert "DistributedError" in results[0].stderr and "another rank stopped" in results[0].stderr, \
         results[0].stderr[-2000:]
+
+
+# ---- the command line: gradgraph train --nproc N ------------------------------------------
+EXAMPLES = ROOT / "gradgraph" / "examples"
+
+
+def _cli(out: Path, nproc: int, batch: int, steps: int = 10) -> list[str]:
+    return [sys.executable, "-m", "gradgraph", "train", str(EXAMPLES / "mlp.onnx"), "--loss", "loss",
+            "--data", str(EXAMPLES / "mlp_data.npz"), "--optimizer", "sgd", "--lr", "0.05",
+            "--momentum", "0.9", "--clip", "1.0", "--steps", str(steps), "--batch-size", str(batch),
+            "--nproc", str(nproc), "--checkpoint-dir", str(out), "--quiet"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.slow
+def test_cli_nproc_2_is_one_process_with_twice_the_batch(tmp_path):
+    from gradgraph.training.checkpoint import read_checkpoint
+
+    for nproc, batch in ((2, 16), (1, 32)):
+        done = subprocess.run(_cli(tmp_path / f"p{nproc}", nproc, batch), env=_env(), capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    two, meta2 = read_checkpoint(tmp_path / "p2" / "checkpoint.safetensors")
+    one, meta1 = read_checkpoint(tmp_path / "p1" / "checkpoint.safetensors")
+    assert meta2["step"] == meta1["step"] == 10
+    for name, value in one.items():
+        np.testing.assert_allclose(two[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    np.testing.assert_allclose(meta2["user"]["losses"], meta1["user"]["losses"], rtol=1e-5)
+
+
+def _descendants(root: int) -> list[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [p for p, parent in parents.items() if parent == pid]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _rank_process(root: int, rank: int) -> int | None:
+    for pid in _descendants(root):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the rank's process through /proc")
+def test_cli_exits_non_zero_soon_after_a_rank_is_killed(tmp_path):
+    proc = subprocess.Popen(_cli(tmp_path / "run", 2, 16, steps=1_000_000), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        victim = None
+        while victim is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            victim = _rank_process(proc.pid, 1)
+        assert victim is not None, "rank 1 never started"
+        time.sleep(5)  # let the ranks train a while
+        os.kill(victim, 9)
+        killed = time.monotonic()
+        proc.wait(timeout=90)
+        assert time.monotonic() - killed < 60
+        assert proc.returncode != 0
+    finally:
+        if proc.poll() is None:
+            for pid in _descendants(proc.pid):
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+            proc.kill()
+        proc.communicate()

@@ -67,7 +67,10 @@ def main_for(add_parser: object, argv: list[str] | None) -> int:
     """Run one sub-command's parser alone (``python -m gradgraph.cli.train ...``)."""
     parser = argparse.ArgumentParser(prog="gradgraph")
     add_parser(parser.add_subparsers(dest="command", required=True))  # type: ignore[operator]
-    return run_command(parser.parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return run_command(args)
 
 
 def add_pass_arguments(p: argparse.ArgumentParser) -> None:

@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(build_parser().parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # ``train --nproc`` relaunches the same command line in each rank
+    return run_command(args)
 
 
 if __name__ == "__main__":

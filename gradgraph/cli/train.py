@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import io
 import math
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +50,13 @@ changes); after --max-skipped skipped steps in a row the run stops with exit sta
 With --checkpoint-dir the latest state goes to checkpoint.safetensors, the loss curve to
 loss.png and the trained model to inference.onnx. Ctrl-C saves a checkpoint and exits 130.
 
+Data parallel: --nproc N launches N local ranks through torch.distributed's launcher
+(torchrun; gloo on CPU, NCCL on CUDA). --batch-size is then the per-rank batch: rank r reads
+rows r*B .. r*B+B-1 of every global micro-batch of N*B rows, so the run is the same training as
+one process with --batch-size N*B (gradients are averaged over the ranks). Rank 0 writes the
+checkpoint, the loss curve and the model. Under torchrun itself (several machines: torchrun
+--nnodes ... -m gradgraph train ...), leave --nproc out: each process is one rank.
+
 Exit status: 0 done; 1 internal error; 2 a user error (one line on stderr, nothing written);
 3 training diverged (too many non-finite steps in a row); 130 interrupted.
 """
@@ -82,6 +91,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="weights not to train (exact names, see --list-weights)")
     p.add_argument("--steps", type=int, help="optimizer steps to reach (required unless --list-weights)")
     p.add_argument("--batch-size", type=int, help="rows per micro-batch (required unless --list-weights)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="local data-parallel ranks; --batch-size is per rank (default: %(default)s)")
     p.add_argument("--accumulate", type=int, default=1,
                    help="micro-batches per optimizer step (default: %(default)s)")
     p.add_argument("--clip", type=float, default=None,
@@ -120,6 +131,7 @@ def _validate(args: argparse.Namespace) -> None:
     need(args.steps >= 1, "--steps", "a positive integer")
     need(args.batch_size >= 1, "--batch-size", "a positive integer")
     need(args.accumulate >= 1, "--accumulate", "a positive integer")
+    need(args.nproc >= 1, "--nproc", "a positive integer")
     need(math.isfinite(args.lr) and args.lr > 0, "--lr", "a finite number > 0")
     need(math.isfinite(args.momentum) and 0 <= args.momentum < 1, "--momentum", "in [0, 1)")
     need(args.weight_decay is None or (math.isfinite(args.weight_decay) and args.weight_decay >= 0),
@@ -133,14 +145,17 @@ def _validate(args: argparse.Namespace) -> None:
         raise InputError("--resume needs --checkpoint-dir (the folder holding " + CHECKPOINT_NAME + ")")
 
 
-def _checkpoint_dir(args: argparse.Namespace) -> Path | None:
-    """Create and probe the checkpoint folder before training, so a bad one fails in a second."""
+def _checkpoint_dir(args: argparse.Namespace, rank: int = 0) -> Path | None:
+    """Create and probe the checkpoint folder before training, so a bad one fails in a second
+    (rank 0 only: the other ranks write nothing)."""
     if args.checkpoint_dir is None:
         return None
     path = Path(args.checkpoint_dir)
     if args.resume and not (path / CHECKPOINT_NAME).is_file():
         raise InputError(f"--resume: no {CHECKPOINT_NAME} in {str(path)!r} (train without --resume "
                          "first, or point --checkpoint-dir at a run's folder)")
+    if rank != 0:
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".gradgraph-probe-"):
@@ -164,10 +179,38 @@ def _optimizer(args: argparse.Namespace) -> object:
     return cls(**kwargs)
 
 
-def _batch(data: dict[str, np.ndarray], index: int, size: int) -> dict[str, np.ndarray]:
+def _batch(data: dict[str, np.ndarray], index: int, size: int, rank: int = 0,
+           world: int = 1) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s ``size`` rows of global micro-batch ``index`` (``world * size`` rows)."""
     rows = next(iter(data.values())).shape[0]
-    take = (np.arange(size) + index * size) % rows
+    take = (np.arange(size) + rank * size + index * size * world) % rows
     return {k: v[take] for k, v in data.items()}
+
+
+def _world(args: argparse.Namespace) -> tuple[int, int]:
+    """(rank, world size) of this process: torchrun's environment, else (0, 1)."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world > 1 and args.nproc not in (1, local):
+        raise InputError(f"--nproc {args.nproc}: this process is already rank {rank} of {world} "
+                         "(started by torchrun); leave --nproc out under torchrun")
+    return rank, world
+
+
+def _launch_ranks(args: argparse.Namespace) -> int:
+    """``--nproc N`` outside torchrun: run this command line as N ranks under torchrun."""
+    argv, rest = [], iter(args.argv)
+    for item in rest:  # the ranks get the command line without --nproc (torchrun would take it)
+        if item == "--nproc":
+            next(rest, None)
+        elif not item.startswith("--nproc="):
+            argv.append(item)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.nproc}", "--module", "gradgraph", *argv]
+    env = dict(os.environ)
+    # each rank gets its share of the cores (onnxruntime's threads; torch's for the all-reduce)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    return subprocess.run(command, env=env, check=False).returncode
 
 
 def _check_data(data: dict[str, np.ndarray], inputs: Sequence[str], path: str) -> dict[str, np.ndarray]:
@@ -227,8 +270,11 @@ def run(args: argparse.Namespace) -> int:
     if args.list_weights:
         return list_weights(args)
     _validate(args)
-    ckpt_dir = _checkpoint_dir(args)
+    rank, world = _world(args)
+    ckpt_dir = _checkpoint_dir(args, rank)
     data = load_npz(args.data, "data file")
+    if args.nproc > 1 and world == 1:
+        return _launch_ranks(args)  # the checks above ran once, here, before any rank starts
     groups = (ParamGroup(tuple(args.no_decay), {"weight_decay": 0.0}),) if args.no_decay else ()
     try:
         config = TrainingConfig(args.loss, _optimizer(args), weights_not_to_train=tuple(args.freeze),
@@ -240,7 +286,18 @@ def run(args: argparse.Namespace) -> int:
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if args.device == "cuda" \
         else ["CPUExecutionProvider"]
     model = _fit_batch(args.model, args.batch_size)
-    session = TrainingSession(model, config, providers=providers, save_stages=args.save_stages)
+    distributed, sess_options = None, None
+    if world > 1:
+        import onnxruntime as ort
+
+        from gradgraph.training.distributed import DistributedConfig
+
+        distributed = DistributedConfig.from_env()
+        sess_options = ort.SessionOptions()
+        sess_options.intra_op_num_threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    session = TrainingSession(model, config, sess_options, providers=providers,
+                              save_stages=args.save_stages if rank == 0 else None,
+                              distributed=distributed)
     data = _check_data(data, session.artifacts.feeds, args.data)
     schedule = Schedule(args.schedule, args.lr, args.steps, args.warmup_steps)
     losses: list[float] = []
@@ -250,11 +307,11 @@ def run(args: argparse.Namespace) -> int:
     resumed_from = len(losses)
 
     def checkpoint() -> None:
-        if ckpt_dir is not None:
+        if ckpt_dir is not None and rank == 0:
             session.save_checkpoint(ckpt_dir / CHECKPOINT_NAME, {"losses": losses})
             save_curve(losses, ckpt_dir / CURVE_NAME)
 
-    bar = tqdm(total=args.steps, initial=session.step, disable=args.quiet, unit="step",
+    bar = tqdm(total=args.steps, initial=session.step, disable=args.quiet or rank != 0, unit="step",
                mininterval=0.5 if sys.stderr.isatty() else 5.0)
     start, done, in_a_row = time.perf_counter(), 0, 0
     micro = session.step * args.accumulate + session.micro_step
@@ -266,7 +323,8 @@ def run(args: argparse.Namespace) -> int:
             micro_losses = []
             for _ in range(args.accumulate - session.micro_step):
                 try:
-                    micro_losses.append(session.train_step(_batch(data, micro, args.batch_size), lr=lr))
+                    micro_losses.append(session.train_step(
+                        _batch(data, micro, args.batch_size, rank, world), lr=lr))
                 except InputError as exc:
                     bar.close()
                     raise InputError(f"data file {args.data!r} does not fit the model: {exc}") from exc
@@ -279,7 +337,10 @@ def run(args: argparse.Namespace) -> int:
                     break
                 continue
             in_a_row = 0
-            losses.append(float(np.mean(micro_losses)))
+            step_loss = float(np.mean(micro_losses))
+            if session.data_parallel is not None:  # the global batch's loss: the ranks' mean
+                step_loss = session.data_parallel.mean_over_ranks(step_loss)
+            losses.append(step_loss)
             done += 1
             bar.set_postfix(loss=f"{losses[-1]:.4g}", lr=f"{lr:.3g}", skipped=session.skipped_steps,
                             steps_per_s=f"{done / (time.perf_counter() - start):.1f}", refresh=False)
@@ -294,8 +355,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     bar.close()
     checkpoint()  # skipped steps changed nothing: this is the last finite state
-    if ckpt_dir is not None:
+    if ckpt_dir is not None and rank == 0:
         session.export_inference_model(ckpt_dir / INFERENCE_NAME)
+    if rank != 0:
+        return status
     if status == EXIT_DIVERGED:
         print(f"gradgraph train: stopped at step {session.step}: {in_a_row} steps in a row had a "
               "non-finite loss, weight or optimizer state (NaN/inf in the data, or a learning rate "

@@ -279,6 +279,11 @@ class DataParallelRunner:
         session.last_step_finite = finite
         session.skipped_steps += not finite
 
+    def mean_over_ranks(self, value: float) -> float:
+        """The mean of a per-rank number (e.g. the loss of each rank's shard) over the ranks."""
+        summed = self.coll.all_reduce_sum({"value": np.asarray([value], np.float64)})
+        return float(summed["value"][0]) / self.config.world_size
+
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (ZeRO-1: its partition's)."""
         store, names = self.session.store, self.session.names

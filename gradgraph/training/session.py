@@ -167,6 +167,11 @@ class TrainingSession:
                 self.store.set(names.buffer(w), np.zeros_like(art.initial[w]))
 
     @property
+    def data_parallel(self) -> DataParallelRunner | None:
+        """The data-parallel runner (world size > 1), else None."""
+        return self._dp
+
+    @property
     def loss_scale(self) -> float | None:
         """The dynamic loss scale (mixed precision with a scaled loss), else None."""
         if self.names.loss_scale not in self.store.names():
