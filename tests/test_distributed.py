@@ -92,6 +92,41 @@ def test_two_ranks_train_like_one_process_on_the_whole_batch(tmp_path, single_pr
 
 
 @pytest.mark.slow
+def test_ort_trainer_distributed_options_train_like_one_process(tmp_path):
+    """ORTTrainerOptions' distributed group (world_size 2, ZeRO stage 1, per-micro-step all-reduce)."""
+    runs = {}
+    for world in (1, 2):
+        out = tmp_path / f"trainer{world}"
+        results = _launch(world, out, [str(STEPS), str(BATCH * (2 // world)), "2", str(world - 1), "0",
+                                       "--api", "trainer"])
+        for r in results:
+            assert r.returncode == 0, r.stderr[-3000:]
+        runs[world] = np.load(str(out) + ".npz")
+    for name in runs[1].files:
+        np.testing.assert_allclose(runs[2][name], runs[1][name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.slow
+def test_a_zero1_checkpoint_of_two_ranks_continues_in_one_process(tmp_path):
+    """Ranks save their partitions at step 5 (accumulating 2 micro-batches); one process loads
+    both files and trains steps 6-10 on the same global batches as the two ranks."""
+    prefix = tmp_path / "ckpt"
+    two = _launch(2, tmp_path / "two", [str(STEPS), str(BATCH), "2", "1", "1", "--save-at", "5",
+                                        "--save", str(prefix)])
+    for r in two:
+        assert r.returncode == 0, r.stderr[-3000:]
+    files = ",".join(f"{prefix}.rank{r}" for r in range(2))
+    one = _launch(1, tmp_path / "one", [str(STEPS - 5), str(2 * BATCH), "2", "0", "1", "--load", files,
+                                        "--skip", "10"])
+    assert one[0].returncode == 0, one[0].stderr[-3000:]
+    expected = np.load(str(tmp_path / "two") + ".npz")
+    got = np.load(str(tmp_path / "one") + ".npz")
+    for name in expected.files:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    assert json.loads(Path(str(tmp_path / "one") + ".json").read_text())["step"] == STEPS
+
+
+@pytest.mark.slow
 def test_a_rank_that_dies_makes_the_others_fail_with_a_clear_error(tmp_path):
     start = time.monotonic()
     results = _launch(2, tmp_path / "dead", [str(STEPS), str(BATCH), "1", "0", "1", "3"], timeout=120)

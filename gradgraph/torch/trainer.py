@@ -48,7 +48,7 @@ import torch
 from gradgraph.torch.export import ExportedCall, export_call
 from gradgraph.torch.optim import TrainStepInfo, _OptimizerConfig
 from gradgraph.torch.trainer_options import ORTTrainerOptions
-from gradgraph.training.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from gradgraph.training.checkpoint import CheckpointError, read_checkpoints, write_checkpoint
 from gradgraph.training.options import (
     CastPropagationConfig,
     DebugOptions,
@@ -67,10 +67,7 @@ _CHECKPOINT_KIND = "ORTTrainer"
 
 # options that ask for something not implemented: their "off" values
 _UNSUPPORTED = {
-    "distributed.world_rank": 0, "distributed.world_size": 1, "distributed.local_rank": 0,
-    "distributed.data_parallel_size": 1, "distributed.horizontal_parallel_size": 1,
-    "distributed.allreduce_post_accumulation": False, "distributed.enable_adasum": False,
-    "distributed.deepspeed_zero_optimization.stage": 0,
+    "distributed.horizontal_parallel_size": 1, "distributed.enable_adasum": False,
     "distributed.pipeline_parallel.pipeline_parallel_size": 1,
     "distributed.pipeline_parallel.num_pipeline_micro_batches": 1,
     "distributed.pipeline_parallel.pipeline_cut_info_string": "",
@@ -178,10 +175,18 @@ class ORTTrainer:
         for path, off in _UNSUPPORTED.items():
             if _get(options, path) != off:
                 what = ("the memory-efficient gradient builder is not implemented"
-                        if path.startswith("utils") else "distributed and pipeline training are not "
-                        "implemented yet (single-process training only)")
+                        if path.startswith("utils") else "only data parallelism is implemented "
+                        "(no horizontal or pipeline parallelism, no Adasum)")
                 raise NotImplementedError(f"ORTTrainerOptions {path!r}={_get(options, path)!r}: {what}; "
                                           f"leave it at {off!r}")
+        dist = options.distributed
+        if dist.world_size > 1 and dist.data_parallel_size != dist.world_size:
+            raise NotImplementedError(f"ORTTrainerOptions 'distributed.data_parallel_size'="
+                                      f"{dist.data_parallel_size} with world_size {dist.world_size}: "
+                                      "only data parallelism is implemented (set them equal)")
+        if dist.world_rank >= dist.world_size:
+            raise ValueError(f"ORTTrainerOptions 'distributed.world_rank'={dist.world_rank} must be < "
+                             f"'distributed.world_size'={dist.world_size}")
         self.model_desc = ModelDescription.parse(model_desc)
         self.optim_config = optim_config
         self.options = options
@@ -215,7 +220,9 @@ class ORTTrainer:
             index = device.partition(":")[2] or "0"
             if not index.isdigit():
                 raise ValueError(f"ORTTrainerOptions 'device.id'={device!r}: write 'cpu', 'cuda' or 'cuda:N'")
-            opts: dict[str, Any] = {"device_id": int(index)}
+            opts: dict[str, Any] = {"device_id": int(index) if device != "cuda" or
+                                    self.options.distributed.world_size == 1
+                                    else self.options.distributed.local_rank}
             if self.options.device.mem_limit:
                 opts["gpu_mem_limit"] = self.options.device.mem_limit
             opts.update(self.options.provider_options.get("CUDAExecutionProvider", {}))
@@ -371,8 +378,16 @@ class ORTTrainer:
 
             sess_options = copy_session_options(sess_options)
             sess_options.use_deterministic_compute = True
+        dist = self.options.distributed
+        distributed = None
+        if dist.world_size > 1:
+            from gradgraph.training.distributed import DistributedConfig
+
+            distributed = DistributedConfig(world_size=dist.world_size, rank=dist.world_rank,
+                                            zero_stage=dist.deepspeed_zero_optimization.stage,
+                                            allreduce_post_accumulation=dist.allreduce_post_accumulation)
         self._session = TrainingSession(model, self._config(), sess_options, self._providers,
-                                        self._provider_options)
+                                        self._provider_options, distributed=distributed)
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending()
@@ -488,6 +503,8 @@ class ORTTrainer:
         names, state = session.names, session.get_state()
         optimizer: dict[str, Any] = {}
         for w, kinds in session.artifacts.optimizer_state.items():
+            if not all(names.state(w, k) in state for k in kinds):
+                continue  # ZeRO-1: another rank's partition
             entry = {_STATE_NAMES.get(k, k): state[names.state(w, k)] for k in kinds}
             if self.optim_config.name == "AdamOptimizer":
                 entry["Update_Count"] = state[names.step]
@@ -575,12 +592,8 @@ class ORTTrainer:
 
     def load_checkpoint(self, *paths: str | os.PathLike, strict: bool = True) -> dict[str, Any]:
         """Load a checkpoint of ``save_checkpoint``; returns its ``user_dict``."""
-        if len(paths) != 1:
-            raise NotImplementedError(f"ORTTrainer.load_checkpoint: {len(paths)} paths given; "
-                                      "aggregating per-rank checkpoints comes with distributed "
-                                      "training (not implemented): pass one checkpoint")
-        tensors, meta = read_checkpoint(paths[0])
-        where = f"checkpoint {str(paths[0])!r}"
+        tensors, meta = read_checkpoints(list(paths))  # several: the ranks of one run, merged
+        where = f"checkpoint {str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]!r}"
         if meta.get("kind") != _CHECKPOINT_KIND:
             raise CheckpointError(f"{where} was not written by ORTTrainer.save_checkpoint")
         if strict and meta.get("optimizer") != self.optim_config.name and meta.get("include_optimizer_states"):
@@ -608,6 +621,8 @@ class ORTTrainer:
             self._pending = lambda: self._load_flat(tensors, meta, strict, where)
             return
         try:
+            if self._session.data_parallel is not None:
+                tensors = self._session.data_parallel.take_checkpoint(tensors)
             self._session.load_state(tensors, strict=strict)
         except CheckpointError as exc:
             raise CheckpointError(f"{where}: {exc}") from exc

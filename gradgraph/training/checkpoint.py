@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,4 +77,34 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
         raise CheckpointError(f"{where} has format {meta.get('format')!r} "
                               f"version {meta.get('version')!r}; expected {FORMAT!r} {VERSION}")
     _check_meta(meta, where)
+    return tensors, meta
+
+
+def read_checkpoints(paths: Sequence[str | os.PathLike]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One checkpoint, or the merge of several ranks' (data-parallel, ZeRO-1 partitions).
+
+    The union of their tensors; a tensor in several files (weights, the step) must be equal in
+    all; their steps must agree and none may be mid-accumulation (a rank's partial gradient
+    sums do not merge). The metadata is the first file's.
+    """
+    if not paths:
+        raise CheckpointError("no checkpoint path given")
+    parts = [(str(p), *read_checkpoint(p)) for p in paths]
+    if len(parts) == 1:
+        return parts[0][1], parts[0][2]
+    first, tensors, meta = parts[0][0], dict(parts[0][1]), dict(parts[0][2])
+    for where, more, other in parts[1:]:
+        for key in ("step", "optimizer"):
+            if other.get(key) != meta.get(key):
+                raise CheckpointError(f"checkpoints {first!r} and {where!r} disagree on {key} "
+                                      f"({meta.get(key)!r} vs {other.get(key)!r}): not ranks of one run")
+        for name, value in more.items():
+            if name in tensors and not np.array_equal(tensors[name], value):
+                raise CheckpointError(f"checkpoints {first!r} and {where!r} hold different values of "
+                                      f"{name!r}: not ranks of one run")
+            tensors[name] = value
+    if any(other.get("micro_step", 0) for _, _, other in parts):
+        raise CheckpointError(f"checkpoints {[p for p, _, _ in parts]} were saved mid-accumulation: "
+                              "several ranks' partial gradient sums cannot be merged; save at an "
+                              "optimizer step")
     return tensors, meta

@@ -279,6 +279,36 @@ class DataParallelRunner:
         session.last_step_finite = finite
         session.skipped_steps += not finite
 
+    def partial_sums(self) -> dict[str, np.ndarray]:
+        """Mid-accumulation: the gradient sums so far, under the accumulation-buffer names."""
+        session = self.session
+        if session.config.update.accumulation_steps == 1:
+            return {}
+        # at an optimizer step, zeros: the layout of a one-process session's (lazily reset) buffers
+        sums = self.accumulated or {w: np.zeros_like(session.artifacts.initial[w])
+                                    for w in session.artifacts.trained}
+        return {session.names.buffer(w): g for w, g in sums.items()}
+
+    def take_checkpoint(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A (merged) checkpoint's tensors this rank holds: partial sums restored here, other
+        ranks' ZeRO-1 partitions left out (this rank's must all be there)."""
+        names = self.session.names
+        buffers = {w: tensors[names.buffer(w)] for w in self.session.artifacts.trained
+                   if names.buffer(w) in tensors}
+        from gradgraph.training.session import MICRO_STEP_KEY
+
+        mid = int(np.asarray(tensors.get(MICRO_STEP_KEY, 0)).reshape(-1)[0]) != 0
+        self.accumulated = buffers if mid and buffers else None
+
+        held = set(self.session.store.names()) | {MICRO_STEP_KEY}
+        missing = sorted(held - set(tensors))
+        if missing:
+            from gradgraph.training.checkpoint import CheckpointError
+
+            raise CheckpointError(f"the checkpoint lacks {missing[:4]} that rank {self.config.rank} "
+                                  "holds (pass the checkpoints of every rank of the run)")
+        return {k: v for k, v in tensors.items() if k in held}
+
     def mean_over_ranks(self, value: float) -> float:
         """The mean of a per-rank number (e.g. the loss of each rank's shard) over the ranks."""
         summed = self.coll.all_reduce_sum({"value": np.asarray([value], np.float64)})

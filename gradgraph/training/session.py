@@ -36,7 +36,7 @@ from gradgraph.training.build import (
     build_training_artifacts,
     inference_model,
 )
-from gradgraph.training.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from gradgraph.training.checkpoint import CheckpointError, read_checkpoints, write_checkpoint
 from gradgraph.training.distributed import DataParallelRunner, DistributedConfig
 from gradgraph.training.ort_state import GraphRunner, StateStore, copy_session_options
 from gradgraph.training.parameters import TrainingParameters
@@ -203,8 +203,11 @@ class TrainingSession:
         self.load_state(flat, strict=False)
 
     def get_state(self) -> dict[str, np.ndarray]:
-        """Every held tensor by its graph input name, plus ``micro_step``."""
+        """Every held tensor by its graph input name, plus ``micro_step`` (data parallel: this
+        rank's, with its partial gradient sums mid-accumulation)."""
         state = {n: self.store.get(n) for n in self.store.names()}
+        if self._dp is not None:
+            state.update(self._dp.partial_sums())
         state[MICRO_STEP_KEY] = np.array(self.micro_step, np.int64)
         return state
 
@@ -321,8 +324,13 @@ class TrainingSession:
                 "model": self.artifacts.params, "user": dict(user_dict or {})}
         write_checkpoint(path, state, meta)
 
-    def load_checkpoint(self, path: str | os.PathLike, strict: bool = True) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | os.PathLike | Sequence[str | os.PathLike],
+                        strict: bool = True) -> dict[str, Any]:
         """Load a checkpoint written by ``save_checkpoint``; returns its ``user_dict``.
+
+        ``path`` may be a list: the checkpoints of the ranks of one data-parallel run (ZeRO-1
+        partitions included), merged (:func:`gradgraph.training.checkpoint.read_checkpoints`),
+        loadable into any world size.
 
         ``strict``: the checkpoint must hold exactly this session's tensors (and optimizer).
         ``strict=False`` loads the tensors the session has and warns about the rest (tensors it
@@ -330,8 +338,11 @@ class TrainingSession:
         sharing none of the model's weights and optimizer state (another model's) is refused.
         A refused checkpoint changes nothing in the session.
         """
-        tensors, meta = read_checkpoint(path)
-        where = f"checkpoint {str(path)!r}"
+        paths: list[str | os.PathLike] = list(path) if isinstance(path, (list, tuple)) else [path]  # type: ignore[list-item]
+        tensors, meta = read_checkpoints(paths)
+        where = f"checkpoint {str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]!r}"
+        if self._dp is not None:
+            tensors = self._dp.take_checkpoint(tensors)
         if strict and meta.get("optimizer") != self.config.optimizer.name:
             raise CheckpointError(f"{where} was written with optimizer "
                                   f"{meta.get('optimizer')!r}, the session uses {self.config.optimizer.name!r}")
