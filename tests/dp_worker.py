@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--save", default="")
     parser.add_argument("--load", default="")
     parser.add_argument("--skip", type=int, default=0)
-    parser.add_argument("--api", choices=["session", "trainer"], default="session")
+    parser.add_argument("--api", choices=["session", "trainer", "ortmodule"], default="session")
     args = parser.parse_args()
     out = args.out
     steps, batch, accumulate, zero, post = args.numbers[:5]
@@ -73,6 +73,8 @@ def main() -> None:
                                              timeout_s=20.0) if world > 1 else None
     if args.api == "trainer":
         return trainer_main(out, steps, batch, accumulate, zero, post, world, rank)
+    if args.api == "ortmodule":
+        return ortmodule_main(out, steps, batch, world, rank)
     session = TrainingSession(export(), config, providers=["CPUExecutionProvider"], distributed=distributed)
     if args.load:
         session.load_checkpoint(args.load.split(","))
@@ -122,6 +124,31 @@ def trainer_main(out: str, steps: int, batch: int, accumulate: int, zero: int, p
         np.savez(out + ".npz", **{k: v.numpy() for k, v in state.items()})
         with open(out + ".json", "w") as fh:
             json.dump({"step": trainer._train_step_info.optimization_step}, fh)
+
+
+def ortmodule_main(out: str, steps: int, batch: int, world: int, rank: int) -> None:
+    """ORTModule under torch's DistributedDataParallel (its gradients are torch .grad tensors)."""
+    from gradgraph.torch import ORTModule
+
+    torch.manual_seed(0)
+    model: torch.nn.Module = ORTModule(MLP())
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rng = np.random.default_rng(1)
+    rows = slice(rank * batch, (rank + 1) * batch)
+    for _ in range(steps):
+        x = rng.standard_normal((batch * world, N_IN)).astype(np.float32)
+        y = rng.integers(0, N_OUT, batch * world).astype(np.int64)
+        opt.zero_grad()
+        model(torch.from_numpy(x[rows]), torch.from_numpy(y[rows])).backward()
+        opt.step()
+    if rank == 0:
+        inner = model.module if world > 1 else model
+        np.savez(out + ".npz", **{k: v.detach().numpy() for k, v in inner.state_dict().items()})
+        with open(out + ".json", "w") as fh:
+            json.dump({"step": steps}, fh)
 
 
 if __name__ == "__main__":

@@ -92,13 +92,15 @@ def test_two_ranks_train_like_one_process_on_the_whole_batch(tmp_path, single_pr
 
 
 @pytest.mark.slow
-def test_ort_trainer_distributed_options_train_like_one_process(tmp_path):
-    """ORTTrainerOptions' distributed group (world_size 2, ZeRO stage 1, per-micro-step all-reduce)."""
+@pytest.mark.parametrize("api", ["trainer", "ortmodule"])
+def test_front_ends_train_like_one_process(tmp_path, api):
+    """ORTTrainerOptions' distributed group (world_size 2, ZeRO stage 1, per-micro-step
+    all-reduce, accumulation 2); ORTModule under torch's DistributedDataParallel."""
     runs = {}
     for world in (1, 2):
-        out = tmp_path / f"trainer{world}"
+        out = tmp_path / f"{api}{world}"
         results = _launch(world, out, [str(STEPS), str(BATCH * (2 // world)), "2", str(world - 1), "0",
-                                       "--api", "trainer"])
+                                       "--api", api])
         for r in results:
             assert r.returncode == 0, r.stderr[-3000:]
         runs[world] = np.load(str(out) + ".npz")
