@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -122,8 +123,10 @@ class Collectives:
 
     def __init__(self, config: DistributedConfig) -> None:
         self.config = config
+        self.seconds = 0.0  # spent in collectives (waiting for the slowest rank included)
 
     def _guard(self, what: str, fn: Any, *args: Any) -> Any:
+        start = time.perf_counter()
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError and others
@@ -131,6 +134,8 @@ class Collectives:
                 f"rank {self.config.rank}: {what} failed: another rank stopped or did not answer "
                 f"within {self.config.timeout_s:g} s ({str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__})"
             ) from exc
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def all_reduce_sum(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Sum every array over the ranks, in flat buckets of about ``bucket_bytes`` per dtype."""
