@@ -8,8 +8,9 @@ batch 8 per rank, dropout active), AdamW, exported once. Each configuration runs
 processes (N ranks on loopback, ``--threads`` cores shared: each rank gets threads / N
 onnxruntime threads); the configurations alternate in ``--rounds`` rounds. Printed per world
 size: the median step time (rank 0), the throughput in samples/s (N x batch / step), its
-ratio to one process, and the all-reduce share of the step (time in collectives, waiting
-for the slowest rank included, over the step time).
+ratio to one process, the all-reduce share of the step (time in collectives, waiting
+for the slowest rank included, over the step time) and rank 0's optimizer-state memory
+(``--zero 1``: its partition only).
 
 On one machine the ranks share its cores: N ranks of threads / N each cannot beat one
 process of ``threads`` threads on compute-bound steps. The figure shows the overhead of the
@@ -52,7 +53,7 @@ def rank_main(args: argparse.Namespace) -> None:
                             weights_to_train=tuple(_trainable(onnx.load(path, load_external_data=False))))
     options = ort.SessionOptions()
     options.intra_op_num_threads = max(1, args.threads // world)
-    distributed = DistributedConfig.from_env(timeout_s=300.0) if world > 1 else None
+    distributed = DistributedConfig.from_env(timeout_s=300.0, zero_stage=args.zero) if world > 1 else None
     session = TrainingSession(path, config, options, providers=["CPUExecutionProvider"],
                               distributed=distributed)
     for _ in range(args.warmup):
@@ -68,8 +69,11 @@ def rank_main(args: argparse.Namespace) -> None:
         shares.append(((runner.coll.seconds if runner is not None else 0.0) - before) / elapsed)
     if int(os.environ.get("RANK", "0")) == 0:
         batch = next(iter(feeds.values())).shape[0]
+        state = runner.optimizer_state_bytes() if runner is not None else sum(
+            int(np.prod(v.shape)) * v.dtype.itemsize for w in session.get_optimizer_state().values()
+            for k, v in w.items() if k != "step")
         print(json.dumps({"step_s": statistics.median(times), "share": statistics.median(shares),
-                          "batch": batch}))
+                          "batch": batch, "state_mb": state / 2**20}))
 
 
 def _launch(world: int, args: argparse.Namespace) -> dict:
@@ -82,7 +86,8 @@ def _launch(world: int, args: argparse.Namespace) -> dict:
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(max(1, args.threads // world))}
         procs.append(subprocess.Popen([sys.executable, __file__, "--rank-child", "--dir", args.dir,
                                        "--model", args.model, "--reps", str(args.reps), "--warmup",
-                                       str(args.warmup), "--threads", str(args.threads)],
+                                       str(args.warmup), "--threads", str(args.threads),
+                                       "--zero", str(args.zero)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = []
     try:
@@ -106,6 +111,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1],
+                        help="ZeRO stage of the multi-rank runs (1: optimizer state partitioned)")
     parser.add_argument("--rank-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -126,14 +133,15 @@ def main() -> None:
     base = None
     print(f"\n{args.model}, {args.threads} cores shared, batch per rank "
           f"{results[worlds[0]][0]['batch']}, median of {args.rounds} rounds x {args.reps} steps\n")
-    print("| ranks | step ms (rank 0) | samples/s | x one process | all-reduce share |")
-    print("|---|---|---|---|---|")
+    print("| ranks | step ms (rank 0) | samples/s | x one process | all-reduce share | optimizer state MB (rank 0) |")
+    print("|---|---|---|---|---|---|")
     for world in worlds:
         step = statistics.median(x["step_s"] for x in results[world])
         share = statistics.median(x["share"] for x in results[world])
         rate = world * results[world][0]["batch"] / step
         base = base or rate
-        print(f"| {world} | {step * 1000:.1f} | {rate:.1f} | {rate / base:.2f} | {share:.1%} |")
+        state = results[world][0]["state_mb"]
+        print(f"| {world} | {step * 1000:.1f} | {rate:.1f} | {rate / base:.2f} | {share:.1%} | {state:.1f} |")
 
 
 if __name__ == "__main__":

@@ -347,6 +347,20 @@ class ORTTrainer:
                 paths.model_with_training_graph_path,
                 paths.model_with_training_graph_after_optimization_path)))
 
+    def _distributed(self) -> Any:
+        """The data-parallel config: the options' ``distributed`` group, or torchrun's
+        environment (``WORLD_SIZE``, ``RANK``) when the options leave world_size unset."""
+        from gradgraph.training.distributed import DistributedConfig
+
+        dist, opts = self.options.distributed, self.options
+        common = {"zero_stage": dist.deepspeed_zero_optimization.stage,
+                  "allreduce_post_accumulation": dist.allreduce_post_accumulation}
+        if opts.was_set("distributed.world_size"):
+            config = DistributedConfig(world_size=dist.world_size, rank=dist.world_rank, **common)
+        else:
+            config = DistributedConfig.from_env(**common)
+        return config if config.active else None
+
     def _parameter_names(self) -> set[str]:
         if self._torch_model is None:  # an ONNX model: every float initializer
             assert self._onnx_model is not None
@@ -378,14 +392,7 @@ class ORTTrainer:
 
             sess_options = copy_session_options(sess_options)
             sess_options.use_deterministic_compute = True
-        dist = self.options.distributed
-        distributed = None
-        if dist.world_size > 1:
-            from gradgraph.training.distributed import DistributedConfig
-
-            distributed = DistributedConfig(world_size=dist.world_size, rank=dist.world_rank,
-                                            zero_stage=dist.deepspeed_zero_optimization.stage,
-                                            allreduce_post_accumulation=dist.allreduce_post_accumulation)
+        distributed = self._distributed()
         self._session = TrainingSession(model, self._config(), sess_options, self._providers,
                                         self._provider_options, distributed=distributed)
         if self._pending is not None:
