@@ -225,3 +225,19 @@ def test_cli_exits_non_zero_soon_after_a_rank_is_killed(tmp_path):
                     pass
             proc.kill()
         proc.communicate()
+
+
+@pytest.mark.slow
+def test_cli_nproc_user_errors_and_divergence_exit_like_one_process(tmp_path):
+    """A bad --loss is reported once, before any rank starts (exit 2); a run whose updates turn
+    non-finite on every step stops after --max-skipped with exit 3 (the ranks skip together)."""
+    bad = subprocess.run([*_cli(tmp_path / "bad", 2, 16)[:6], "nope", *_cli(tmp_path / "bad", 2, 16)[7:]],
+                         env=_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.count("is not an output") == 1, bad.stderr[-2000:]
+    diverge = _cli(tmp_path / "div", 2, 16)
+    diverge[diverge.index("--lr") + 1] = "1e38"
+    done = subprocess.run([*diverge, "--max-skipped", "2"], env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "steps in a row" in done.stderr

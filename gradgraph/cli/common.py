@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from gradgraph.feeds import InputError
 from gradgraph.training.checkpoint import CheckpointError
@@ -27,16 +28,27 @@ def describe_os_error(exc: OSError) -> str:
     return f"cannot use {where}: {reason}; check the path, the disk and its permissions"
 
 
+STATUS_FILE_ENV = "GRADGRAPH_RANK0_STATUS"
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed sub-command; user mistakes print one line and return 2."""
+    # a data-parallel rank other than 0 leaves the messages to rank 0 (they would repeat)
+    quiet = os.environ.get("RANK", "0") != "0"
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
     except (GradientError, InputError, CheckpointError) as exc:
-        print(f"gradgraph {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        if not quiet:
+            print(f"gradgraph {args.command}: error: {exc}", file=sys.stderr)
+        status = EXIT_USER_ERROR
     except OSError as exc:  # any errno: ENOENT, EACCES, EIO, ENOSPC, EROFS, ENAMETOOLONG, ...
-        print(f"gradgraph {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        if not quiet:
+            print(f"gradgraph {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
+        status = EXIT_USER_ERROR
+    report = os.environ.get(STATUS_FILE_ENV)
+    if report and not quiet:  # ``train --nproc``: the launcher returns rank 0's status
+        Path(report).write_text(str(status))
+    return status
 
 
 def weights_arg(values: list[str] | None) -> list[str] | None:

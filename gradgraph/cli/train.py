@@ -23,6 +23,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from gradgraph.cli.common import (
+    STATUS_FILE_ENV,
     add_list_weights,
     add_pass_arguments,
     list_weights,
@@ -199,6 +200,7 @@ def _world(args: argparse.Namespace) -> tuple[int, int]:
 
 def _launch_ranks(args: argparse.Namespace) -> int:
     """``--nproc N`` outside torchrun: run this command line as N ranks under torchrun."""
+    _precheck(args)
     argv, rest = [], iter(args.argv)
     for item in rest:  # the ranks get the command line without --nproc (torchrun would take it)
         if item == "--nproc":
@@ -210,7 +212,36 @@ def _launch_ranks(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     # each rank gets its share of the cores (onnxruntime's threads; torch's for the all-reduce)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    return subprocess.run(command, env=env, check=False).returncode
+    with tempfile.TemporaryDirectory(prefix="gradgraph-ranks-") as tmp:
+        status_file = Path(tmp) / "rank0.status"
+        env[STATUS_FILE_ENV] = str(status_file)
+        proc = subprocess.Popen(command, env=env)
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # torchrun forwards it to the ranks: wait for their saves
+                continue
+        # rank 0's own status (2 user error, 3 diverged, 130 interrupted) rather than torchrun's 1
+        if status_file.is_file():
+            return int(status_file.read_text() or code)
+        return code if code else 1
+
+
+def _precheck(args: argparse.Namespace) -> None:
+    """The user errors every rank would hit, found once before the ranks start: the loss name,
+    --freeze names, the data arrays against the model's inputs."""
+    from gradgraph.io import load_model
+
+    model = load_model(args.model)
+    outputs = [v.name for v in model.graph.outputs]
+    if args.loss not in outputs:
+        raise InputError(f"--loss {args.loss!r} is not an output of {args.model!r} (outputs: {outputs})")
+    unknown = [n for n in args.freeze if n not in model.graph.initializers]
+    if unknown:
+        raise InputError(f"--freeze {unknown}: not initializers of {args.model!r}")
+    inputs = [v.name or "" for v in model.graph.inputs if not v.is_initializer()]
+    _check_data(load_npz(args.data, "data file"), inputs, args.data)
 
 
 def _check_data(data: dict[str, np.ndarray], inputs: Sequence[str], path: str) -> dict[str, np.ndarray]:
@@ -283,8 +314,10 @@ def run(args: argparse.Namespace) -> int:
                                     max_grad_norm=args.clip), **pass_groups(args))  # type: ignore[arg-type]
     except ValueError as exc:
         raise InputError(str(exc)) from exc
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if args.device == "cuda" \
+    providers: list = ["CUDAExecutionProvider", "CPUExecutionProvider"] if args.device == "cuda" \
         else ["CPUExecutionProvider"]
+    if args.device == "cuda" and world > 1:  # one GPU per local rank
+        providers[0] = ("CUDAExecutionProvider", {"device_id": int(os.environ.get("LOCAL_RANK", "0"))})
     model = _fit_batch(args.model, args.batch_size)
     distributed, sess_options = None, None
     if world > 1:
@@ -357,8 +390,10 @@ def run(args: argparse.Namespace) -> int:
     checkpoint()  # skipped steps changed nothing: this is the last finite state
     if ckpt_dir is not None and rank == 0:
         session.export_inference_model(ckpt_dir / INFERENCE_NAME)
+    if session.data_parallel is not None:  # the ranks leave together, once rank 0 has written
+        session.data_parallel.coll.barrier()
     if rank != 0:
-        return status
+        return 0  # rank 0 reports the run's outcome (its status is the command's)
     if status == EXIT_DIVERGED:
         print(f"gradgraph train: stopped at step {session.step}: {in_a_row} steps in a row had a "
               "non-finite loss, weight or optimizer state (NaN/inf in the data, or a learning rate "

@@ -180,7 +180,8 @@ class ORTTrainer:
                 raise NotImplementedError(f"ORTTrainerOptions {path!r}={_get(options, path)!r}: {what}; "
                                           f"leave it at {off!r}")
         dist = options.distributed
-        if dist.world_size > 1 and dist.data_parallel_size != dist.world_size:
+        if dist.world_size > 1 and dist.data_parallel_size != dist.world_size and \
+                options.was_set("distributed.data_parallel_size"):
             raise NotImplementedError(f"ORTTrainerOptions 'distributed.data_parallel_size'="
                                       f"{dist.data_parallel_size} with world_size {dist.world_size}: "
                                       "only data parallelism is implemented (set them equal)")
@@ -220,9 +221,10 @@ class ORTTrainer:
             index = device.partition(":")[2] or "0"
             if not index.isdigit():
                 raise ValueError(f"ORTTrainerOptions 'device.id'={device!r}: write 'cpu', 'cuda' or 'cuda:N'")
-            opts: dict[str, Any] = {"device_id": int(index) if device != "cuda" or
-                                    self.options.distributed.world_size == 1
-                                    else self.options.distributed.local_rank}
+            local_rank = self.options.distributed.local_rank if self.options.was_set(
+                "distributed.local_rank") else int(os.environ.get("LOCAL_RANK", "0"))
+            several = self.options.distributed.world_size > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+            opts: dict[str, Any] = {"device_id": local_rank if device == "cuda" and several else int(index)}
             if self.options.device.mem_limit:
                 opts["gpu_mem_limit"] = self.options.device.mem_limit
             opts.update(self.options.provider_options.get("CUDAExecutionProvider", {}))
@@ -521,6 +523,7 @@ class ORTTrainer:
         for w in session.artifacts.trained:
             if w not in optimizer and names.buffer(w) in state:
                 optimizer[w] = {_ACCUMULATION: state[names.buffer(w)]}
+        dist = session.distributed if session.data_parallel is not None else None
         shared = {"step": state[names.step]}
         for key in (names.loss_scale, names.stable_steps):
             if key in state:
@@ -531,14 +534,15 @@ class ORTTrainer:
             "model": {"full_precision": weights},
             "optimizer": optimizer,
             "trainer_options": {
-                "mixed_precision": opts.mixed_precision.enabled, "zero_stage": 0,
-                "world_rank": opts.distributed.world_rank, "world_size": opts.distributed.world_size,
+                "mixed_precision": opts.mixed_precision.enabled,
+                "zero_stage": dist.zero_stage if dist else 0,
+                "world_rank": dist.rank if dist else 0, "world_size": dist.world_size if dist else 1,
                 "optimizer_name": self.optim_config.name,
-                "data_parallel_size": opts.distributed.data_parallel_size,
-                "horizontal_parallel_size": opts.distributed.horizontal_parallel_size},
+                "data_parallel_size": dist.world_size if dist else 1,
+                "horizontal_parallel_size": 1},
             "train_step_info": {"optimization_step": self._train_step_info.optimization_step,
                                 "step": self._train_step_info.step,
-                                "micro_step": session.micro_step},
+                                "micro_step": int(state[MICRO_STEP_KEY])},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
@@ -567,6 +571,8 @@ class ORTTrainer:
         if strict and "optimizer" not in state_dict:
             strict = False  # a model-only state (include_optimizer_states=False): weights only
             self._check_complete(flat, session.artifacts.params)
+        elif session.data_parallel is not None:  # this rank's part (ZeRO-1), accumulation restarts
+            flat = session.data_parallel.take_checkpoint(flat)
         session.load_state(flat, strict=strict)
         self._train_step_info.optimization_step = int(info.get("optimization_step", session.step))
         self._train_step_info.step = int(info.get("step", self._train_step_info.optimization_step))
@@ -592,13 +598,15 @@ class ORTTrainer:
             state = {n: state[n] for n in session.artifacts.params}
         info = self._train_step_info
         meta = {"kind": _CHECKPOINT_KIND, "optimizer": self.optim_config.name,
-                "step": session.step, "micro_step": session.micro_step,
+                "step": session.step, "micro_step": int(state[MICRO_STEP_KEY]),
                 "optimization_step": info.optimization_step, "train_step": info.step,
                 "include_optimizer_states": include_optimizer_states, "user": dict(user_dict or {})}
         write_checkpoint(path, state, meta)
 
     def load_checkpoint(self, *paths: str | os.PathLike, strict: bool = True) -> dict[str, Any]:
         """Load a checkpoint of ``save_checkpoint``; returns its ``user_dict``."""
+        if len(paths) == 1 and isinstance(paths[0], (list, tuple)):
+            paths = tuple(paths[0])  # load_checkpoint([p1, p2]) as load_checkpoint(p1, p2)
         tensors, meta = read_checkpoints(list(paths))  # several: the ranks of one run, merged
         where = f"checkpoint {str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]!r}"
         if meta.get("kind") != _CHECKPOINT_KIND:
@@ -608,8 +616,9 @@ class ORTTrainer:
                                   f"{self.optim_config.name} (load with strict=False for the weights)")
         if not meta.get("include_optimizer_states", True) or \
                 (not strict and meta.get("optimizer") != self.optim_config.name):
-            state = {"model": {"full_precision": {k: v for k, v in tensors.items()
-                                                  if k != MICRO_STEP_KEY}}}
+            params = set(self._session.artifacts.params) if self._session is not None else None
+            state = {"model": {"full_precision": {k: v for k, v in tensors.items() if k != MICRO_STEP_KEY
+                                                  and (params is None or k in params)}}}
             self._load_weights_only(state, where)
         else:
             self._load_flat(tensors, meta, strict, where)

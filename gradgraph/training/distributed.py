@@ -18,14 +18,16 @@ With gradient accumulation, gradients add up locally over the micro-steps; with
 every micro-step (the same numbers, more traffic). The all-reduce runs after the graph:
 onnxruntime gives no hook inside a run to overlap it with the backward.
 
-The process group comes from ``torch.distributed`` (gloo on CPU, NCCL with CUDA), initialised
-from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when
+The collectives run on a gloo group of ``torch.distributed`` (the gradients are staged in host
+memory, also with CUDA; a caller's NCCL group gets a gloo group beside it), initialised from
+torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when
 the caller has not done it. A collective that fails (a rank died) or exceeds ``timeout_s``
 raises :class:`DistributedError` instead of hanging.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -84,27 +86,39 @@ def _dist() -> Any:
     return dist
 
 
-def ensure_process_group(config: DistributedConfig, device: str) -> None:
-    """Initialise torch.distributed from the environment unless the caller already did."""
+def ensure_process_group(config: DistributedConfig, device: str) -> Any:
+    """Initialise torch.distributed from the environment unless the caller already did; returns
+    the group the collectives use: gloo, since the gradients are staged in host memory (a
+    caller's NCCL group gets a gloo group beside it)."""
     dist = _dist()
     if dist.is_initialized():
         if dist.get_world_size() != config.world_size or dist.get_rank() != config.rank:
             raise DistributedError(f"torch.distributed is initialised with world size "
                                    f"{dist.get_world_size()} and rank {dist.get_rank()}, the config says "
                                    f"{config.world_size} and {config.rank}")
-        return
+        if dist.get_backend() == "gloo":
+            return None
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=config.timeout_s))
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise DistributedError(f"data-parallel training needs {missing} in the environment (launch "
                                "with torchrun, or call torch.distributed.init_process_group first)")
-    backend = "nccl" if device == "cuda" else "gloo"
     try:
-        dist.init_process_group(backend, rank=config.rank, world_size=config.world_size,
+        dist.init_process_group("gloo", rank=config.rank, world_size=config.world_size,
                                 timeout=datetime.timedelta(seconds=config.timeout_s))
+        # torch aborts a process that exits with a live gloo group ("terminate called ...")
+        atexit.register(_destroy_group)
     except Exception as exc:  # noqa: BLE001 - the store and backends raise several types
         raise DistributedError(f"rank {config.rank}: could not join the process group of "
                                f"{config.world_size} ranks at {os.environ['MASTER_ADDR']}:"
                                f"{os.environ['MASTER_PORT']}: {exc}") from exc
+    return None
+
+
+def _destroy_group() -> None:
+    dist = _dist()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def partition(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
@@ -121,8 +135,9 @@ def partition(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
 class Collectives:
     """The all-reduce and broadcasts of one data-parallel session, with clear failures."""
 
-    def __init__(self, config: DistributedConfig) -> None:
+    def __init__(self, config: DistributedConfig, group: Any = None) -> None:
         self.config = config
+        self.group = group  # None: the default group
         self.seconds = 0.0  # spent in collectives (waiting for the slowest rank included)
 
     def _guard(self, what: str, fn: Any, *args: Any) -> Any:
@@ -151,7 +166,7 @@ class Collectives:
             if not bucket:
                 return
             flat = torch.from_numpy(np.concatenate([arrays[n].reshape(-1) for n in bucket]))
-            self._guard("the gradient all-reduce", dist.all_reduce, flat)
+            self._guard("the gradient all-reduce", dist.all_reduce, flat, dist.ReduceOp.SUM, self.group)
             offset = 0
             for name in bucket:
                 n = arrays[name].size
@@ -172,18 +187,19 @@ class Collectives:
         import torch
 
         value = torch.tensor([0 if flag else 1], dtype=torch.int64)
-        self._guard("the finite-step vote", _dist().all_reduce, value)
+        dist = _dist()
+        self._guard("the finite-step vote", dist.all_reduce, value, dist.ReduceOp.SUM, self.group)
         return int(value.item()) == 0
 
     def broadcast(self, array: np.ndarray, src: int) -> np.ndarray:
         import torch
 
         tensor = torch.from_numpy(np.array(array, copy=True))
-        self._guard(f"the broadcast from rank {src}", _dist().broadcast, tensor, src)
+        self._guard(f"the broadcast from rank {src}", _dist().broadcast, tensor, src, self.group)
         return tensor.numpy()
 
     def barrier(self) -> None:
-        self._guard("the barrier", _dist().barrier)
+        self._guard("the barrier", _dist().barrier, self.group)
 
 
 def clip_coefficient(grads: Sequence[np.ndarray], max_norm: float, eps: float) -> float:
@@ -206,8 +222,7 @@ class DataParallelRunner:
                                       "implemented yet (use bfloat16 or fp32)")
         self.session, self.config = session, config
         art, store, names = session.artifacts, session.store, session.names
-        ensure_process_group(config, store.device)
-        self.coll = Collectives(config)
+        self.coll = Collectives(config, ensure_process_group(config, store.device))
         sizes = {w: int(art.initial[w].size) for w in art.trained}
         self.owner = partition(sizes, config.world_size) if config.zero_stage == 1 else \
             {w: config.rank for w in art.trained}
@@ -259,7 +274,7 @@ class DataParallelRunner:
 
     def _update(self, total: dict[str, np.ndarray], lr: float, steps: int,
                 losses: list[np.ndarray]) -> None:
-        session, names = self.session, self.session.names
+        session = self.session
         update, store = session.config.update, session.store
         scale = 1.0 / (self.config.world_size * steps)
         grads = {w: (g * np.asarray(scale, g.dtype)).astype(g.dtype, copy=False) for w, g in total.items()}
@@ -270,12 +285,8 @@ class DataParallelRunner:
             coef = clip_coefficient(list(grads.values()), update.max_grad_norm, update.clip_eps)
             grads = {w: g * np.asarray(coef, g.dtype) for w, g in grads.items()}
         if finite:
-            if self.apply is not None:
-                feeds = {self.grad_inputs[w]: grads[w] for w in self.owned}
-                feeds[names.learning_rate] = np.asarray(lr, np.float32).reshape(())
-                self.apply.run(store, feeds, [])
-            else:  # a rank owning no weight still counts the step
-                store.set(names.step, np.asarray(store.get(names.step) + 1, np.int64))
+            finite = self._apply(grads, lr)
+        if finite:
             if self.config.zero_stage == 1:  # all-gather: each weight from its owner
                 for w in session.artifacts.trained:
                     store.set(w, self.coll.broadcast(store.get(w), self.owner[w]))
@@ -284,27 +295,55 @@ class DataParallelRunner:
         session.last_step_finite = finite
         session.skipped_steps += not finite
 
-    def partial_sums(self) -> dict[str, np.ndarray]:
-        """Mid-accumulation: the gradient sums so far, under the accumulation-buffer names."""
-        session = self.session
-        if session.config.update.accumulation_steps == 1:
-            return {}
-        # at an optimizer step, zeros: the layout of a one-process session's (lazily reset) buffers
-        sums = self.accumulated or {w: np.zeros_like(session.artifacts.initial[w])
-                                    for w in session.artifacts.trained}
-        return {session.names.buffer(w): g for w, g in sums.items()}
+    def _apply(self, grads: dict[str, np.ndarray], lr: float) -> bool:
+        """Run the update of this rank's weights; True when every rank's update was finite. An
+        update that was not (new weights or state NaN/inf: the graph kept the old values) on any
+        rank is taken back on all, so that weights and step counters stay the same everywhere."""
+        names, store = self.session.names, self.session.store
+        local = True
+        if self.apply is not None:
+            feeds = {self.grad_inputs[w]: grads[w] for w in self.owned}
+            feeds[names.learning_rate] = np.asarray(lr, np.float32).reshape(())
+            wanted = [names.finite] if names.finite in self.apply.fetchable else []
+            out = self.apply.run(store, feeds, wanted)
+            local = bool(out[names.finite]) if wanted else True
+        else:  # a rank owning no weight still counts the step
+            store.set(names.step, np.asarray(store.get(names.step) + 1, np.int64))
+        finite = self.coll.all_true(local)
+        if not finite and local:  # the previous values are the swapped-out spares
+            if self.apply is not None:
+                for name in self.apply.updates:
+                    store.swap(name)
+            else:
+                store.set(names.step, np.asarray(store.get(names.step) - 1, np.int64))
+        return finite
 
-    def take_checkpoint(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A (merged) checkpoint's tensors this rank holds: partial sums restored here, other
-        ranks' ZeRO-1 partitions left out (this rank's must all be there)."""
-        names = self.session.names
-        buffers = {w: tensors[names.buffer(w)] for w in self.session.artifacts.trained
-                   if names.buffer(w) in tensors}
+    def checkpoint_state(self) -> dict[str, np.ndarray]:
+        """What a checkpoint holds besides the store: the state at the last optimizer step.
+
+        Mid-accumulation, the micro-steps since are not saved (each rank's partial sums are its
+        own and would not survive a change of world size): ``micro_step`` 0, so a resumed run
+        redoes them. With accumulation, zero buffers: a one-process session's layout."""
         from gradgraph.training.session import MICRO_STEP_KEY
 
-        mid = int(np.asarray(tensors.get(MICRO_STEP_KEY, 0)).reshape(-1)[0]) != 0
-        self.accumulated = buffers if mid and buffers else None
+        session = self.session
+        state = {MICRO_STEP_KEY: np.array(0, np.int64)}
+        if session.config.update.accumulation_steps > 1:
+            for w in session.artifacts.trained:
+                state[session.names.buffer(w)] = np.zeros_like(session.artifacts.initial[w])
+        return state
 
+    def take_checkpoint(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A (merged) checkpoint's tensors this rank holds: other ranks' ZeRO-1 partitions left
+        out (this rank's must all be there); the accumulation restarts."""
+        self.accumulated = None
+        from gradgraph.training.session import MICRO_STEP_KEY
+
+        if int(np.asarray(tensors.get(MICRO_STEP_KEY, 0)).reshape(-1)[0]) != 0:
+            from gradgraph.training.checkpoint import CheckpointError
+
+            raise CheckpointError("the checkpoint was saved mid-accumulation by one process; a "
+                                  "data-parallel run resumes from an optimizer step (save there)")
         held = set(self.session.store.names()) | {MICRO_STEP_KEY}
         missing = sorted(held - set(tensors))
         if missing:

@@ -203,12 +203,12 @@ class TrainingSession:
         self.load_state(flat, strict=False)
 
     def get_state(self) -> dict[str, np.ndarray]:
-        """Every held tensor by its graph input name, plus ``micro_step`` (data parallel: this
-        rank's, with its partial gradient sums mid-accumulation)."""
+        """Every held tensor by its graph input name, plus ``micro_step`` (data parallel: the
+        state at the last optimizer step, see ``DataParallelRunner.checkpoint_state``)."""
         state = {n: self.store.get(n) for n in self.store.names()}
-        if self._dp is not None:
-            state.update(self._dp.partial_sums())
         state[MICRO_STEP_KEY] = np.array(self.micro_step, np.int64)
+        if self._dp is not None:
+            state.update(self._dp.checkpoint_state())
         return state
 
     def load_state(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -317,7 +317,7 @@ class TrainingSession:
     def save_checkpoint(self, path: str | os.PathLike, user_dict: Mapping[str, Any] | None = None) -> None:
         """Write every held tensor (safetensors) and metadata (JSON) atomically to ``path``."""
         state = self.get_state()
-        meta = {"step": self.step, "micro_step": self.micro_step,
+        meta = {"step": self.step, "micro_step": int(state[MICRO_STEP_KEY]),
                 "optimizer": self.config.optimizer.name,
                 "accumulation_steps": self.config.update.accumulation_steps,
                 "skipped_steps": self.skipped_steps,
