@@ -159,11 +159,11 @@ def analytic_gradients(model: onnx.ModelProto, wrt: Sequence[str],
 
 def compare_gradients(model: onnx.ModelProto, wrt: Sequence[str], feeds: Mapping[str, np.ndarray],
                       tol: Tolerance, *, max_elements: int = MAX_ELEMENTS,
-                      seed: int = 0) -> list[GradReport]:
+                      seed: int = 0, eps: float = FD_EPS) -> list[GradReport]:
     """Gradient graph of LOSS (which ``model`` outputs) w.r.t. ``wrt`` vs float64 central differences."""
     analytic = analytic_gradients(model, wrt, feeds)
     report = check.compare_with_central_differences(
-        model, LOSS, analytic, feeds, eps=FD_EPS, rtol=tol.rtol, atol=tol.atol,
+        model, LOSS, analytic, feeds, eps=eps, rtol=tol.rtol, atol=tol.atol,
         max_elements=max_elements, seed=seed, float64_only=True,
         kink_screen=check.KinkScreen(KINK_RTOL, KINK_ATOL))
     return [_report(row) for row in report]

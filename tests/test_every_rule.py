@@ -1,9 +1,10 @@
 """Every registered gradient rule against float64 central differences.
 
 One test, parametrized over ``passes.autodiff.registered_rules()``: each rule needs a
-case generator here (``CASES`` for the core rule families, ``OTHER_CASES`` for conv,
-resize, recurrent, control-flow and sequence rules), else the test fails with "no case
-for X". Every case also runs with symbolic input dims half the time (``symbolic``).
+case generator here (``CASES`` for the core rule families and the clean stops,
+``OTHER_CASES`` for conv, resize, recurrent, newer-opset, attention, quantization, signal,
+detection, control-flow and sequence rules), else the test fails with "no case for X".
+Every case also runs with symbolic input dims half the time (``symbolic``).
 Set EVERY_RULE_EXAMPLES to change the examples per rule, EVERY_RULE_RANDOM for fresh ones.
 Generators draw shapes (broadcast pairs for broadcasting ops), attributes and dtypes
 with hypothesis and keep inputs away from non-differentiable points (kinks, ties,
@@ -13,11 +14,17 @@ Tolerances (``fdcheck``): |analytic - numeric| <= atol + rtol * |numeric| with
 float32: atol 1e-4, rtol 1e-3; float64: atol 1e-6, rtol 1e-5; numeric = float64
 central difference with step 1e-6. Non-differentiable rules are checked to be clean
 stops: with ``loss += ReduceSum(x * V)`` the gradient of every float input is exactly V.
+Where no float64 runtime runs an op (or runs it right) a case names its own check
+(``Spec.custom``): float64 central differences of a numpy forward (``_numpy_oracle``),
+unit steps of onnxruntime's own forward for ops linear in their input
+(``_check_linear_in_ort``), the reference evaluator (``_check_in_reference``), or, for
+QuantizeLinear's straight-through estimator, torch's fake-quantize gradients written out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 from collections.abc import Callable
 
@@ -28,8 +35,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 from opcases import Spec
 
+from gradgraph import check
+from gradgraph.api import build_gradient_graph
 from passes.autodiff import registered_rules
 
 MAX_EXAMPLES = int(os.environ.get("EVERY_RULE_EXAMPLES", "40"))
@@ -566,23 +576,33 @@ def scatter_nd(draw, op):
     opset = opset_for(draw, op)
     attrs = _scatter_reduction(draw, opset)
     count = draw(st.integers(1, cells + 2 if attrs else cells))
-    # Overwriting scatters need unique targets; 'add' accumulates duplicates.
+    # Overwriting scatters need unique targets; reductions combine duplicates.
     flat = rng.choice(cells, size=count, replace="reduction" in attrs)
     idx = np.stack(np.unravel_index(flat, shape[:q]), axis=-1)
     upd_shape = (count,) + tuple(shape[q:])
-    inputs = [("x", uniform(rng, shape, -1, 1, dtype)), ("idx", ints(idx)),
-              ("upd", uniform(rng, upd_shape, -1, 1, dtype))]
+    x, upd = _scatter_values(rng, attrs, shape, upd_shape, dtype)
+    inputs = [("x", x), ("idx", ints(idx)), ("upd", upd)]
     return Spec(op, inputs, draw(st.sampled_from([("x", "upd"), ("x",), ("upd",)])), attrs, opset=opset)
 
 
-# First opset with the reduction attribute of ScatterND/ScatterElements.
+# First opsets with the reduction attribute of ScatterND/ScatterElements ("add", "mul"), and
+# with its "min" and "max".
 SCATTER_REDUCTION_SINCE = 16
+SCATTER_MIN_MAX_SINCE = 18
 
 
 def _scatter_reduction(draw, opset) -> dict:
     if opset < SCATTER_REDUCTION_SINCE or not draw(st.booleans()):
         return {}
-    return {"reduction": "add"}
+    reductions = ["add", "mul"] + (["min", "max"] if opset >= SCATTER_MIN_MAX_SINCE else [])
+    return {"reduction": draw(st.sampled_from(reductions))}
+
+
+def _scatter_values(rng, attrs, shape, upd_shape, dtype):
+    """(data, updates); for min / max all distinct, so that no update ties the data or another."""
+    if attrs.get("reduction") in ("min", "max"):
+        return distinct(rng, [shape, upd_shape], dtype)
+    return uniform(rng, shape, -1, 1, dtype), uniform(rng, upd_shape, -1, 1, dtype)
 
 
 @case("ScatterElements")
@@ -595,13 +615,13 @@ def scatter_elements(draw, op):
     idx_shape = [draw(st.integers(1, d)) for d in shape]
     ax = axis % len(shape)
     moved = [s for i, s in enumerate(idx_shape) if i != ax]
-    if "reduction" in attrs:  # duplicates accumulate
+    if "reduction" in attrs:  # duplicates are combined
         idx = rng.integers(-shape[ax], shape[ax], idx_shape)
     else:  # unique targets: along the axis, each position gets a distinct index
         lines = [rng.permutation(shape[ax])[:idx_shape[ax]] for _ in range(int(np.prod(moved)))]
         idx = np.moveaxis(np.asarray(lines).reshape(moved + [idx_shape[ax]]), -1, ax)
-    inputs = [("x", uniform(rng, shape, -1, 1, dtype)), ("idx", ints(idx)),
-              ("upd", uniform(rng, tuple(idx_shape), -1, 1, dtype))]
+    x, upd = _scatter_values(rng, attrs, shape, tuple(idx_shape), dtype)
+    inputs = [("x", x), ("idx", ints(idx)), ("upd", upd)]
     return Spec(op, inputs, draw(st.sampled_from([("x", "upd"), ("x",), ("upd",)])), attrs, opset=opset)
 
 
@@ -647,6 +667,27 @@ def topk(draw, op):
     [x] = distinct(rng, [shape], dtype)
     attrs = {"axis": axis, "largest": draw(st.integers(0, 1)), "sorted": draw(st.integers(0, 1))}
     return Spec(op, [("x", x), ("k", ints([k]))], ("x",), attrs, opset=opset_for(draw, op), outputs=2)
+
+
+@case("OneHot")
+def one_hot(draw, op):
+    """Linear in its values (off, on); onnxruntime has no float64 OneHot (float32 runs)."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    depth = draw(st.integers(1, 4))
+    idx = ints(rng.integers(-depth, depth, draw(shape_st(1, 2))))
+    inputs = [("idx", idx), ("depth", ints(depth)), ("values", uniform(rng, (2,), -1, 1, dtype))]
+    return Spec(op, inputs, ("values",), {"axis": draw(st.integers(-1, idx.ndim))}, opset=opset_for(draw, op))
+
+
+@case("Range")
+def range_(draw, op):
+    """Linear in start and delta; the limit sits half a step past the last element, so the
+    count stays put within the difference step (limit itself only sets the count)."""
+    dtype = draw(DTYPES)
+    start, delta = draw(st.floats(-2, 2)), draw(st.sampled_from([0.5, 1.0, -0.7]))
+    limit = start + delta * draw(st.integers(1, 5)) - delta / 2
+    inputs = [(k, np.asarray(v, dtype)) for k, v in (("start", start), ("limit", limit), ("delta", delta))]
+    return Spec(op, inputs, _subset(draw, ["start", "delta"]), opset=opset_for(draw, op))
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -878,24 +919,6 @@ def stop_logic(draw, op):
     return _stop(op, inputs, ())
 
 
-@case("OneHot")
-def stop_one_hot(draw, op):
-    rng, dtype = rng_of(draw), draw(DTYPES)
-    depth = draw(st.integers(1, 4))
-    idx = ints(rng.integers(-depth, depth, draw(shape_st(1, 2))))
-    inputs = [("idx", idx), ("depth", ints(depth)), ("values", uniform(rng, (2,), -1, 1, dtype))]
-    return _stop(op, inputs, ("values",), {"axis": draw(st.integers(-1, idx.ndim))})
-
-
-@case("Range")
-def stop_range(draw, op):
-    dtype = draw(DTYPES)
-    start, delta = draw(st.floats(-2, 2)), draw(st.sampled_from([0.5, 1.0, -0.7]))
-    limit = start + delta * draw(st.integers(1, 5)) - delta / 2
-    inputs = [(k, np.asarray(v, dtype)) for k, v in (("start", start), ("limit", limit), ("delta", delta))]
-    return _stop(op, inputs, ("start", "limit", "delta"))
-
-
 @case("ConstantOfShape")
 def stop_constant_of_shape(draw, op):
     shape = draw(shape_st(0, 3))
@@ -924,7 +947,186 @@ def stop_sampling(draw, op):
     return _stop(op, [("x", uniform(rng, shape, 0.1, 0.9, dtype))], ("x",))
 
 
-# ---- rules owned by other modules (conv, resize, recurrent, control, sequence) -----------------
+@case("BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot")
+def stop_bitwise(draw, op):
+    rng = rng_of(draw)
+    dtype = draw(st.sampled_from([np.uint8, np.uint32]) if op == "BitShift" else
+                 st.sampled_from([np.int32, np.int64, np.uint8]))
+    sa, sb = broadcast_shapes(draw, 2)
+    inputs = [("a", np.asarray(rng.integers(0, 100, sa), dtype))]
+    attrs = {}
+    if op == "BitShift":
+        inputs.append(("b", np.asarray(rng.integers(0, 4, sb), dtype)))
+        attrs["direction"] = draw(st.sampled_from(["LEFT", "RIGHT"]))
+    elif op != "BitwiseNot":
+        inputs.append(("b", np.asarray(rng.integers(0, 100, sb), dtype)))
+    return Spec(op, inputs, (), attrs, kind="stop", opset=opset_for(draw, op, 18, (18, 21)))
+
+
+@case("BitCast")
+def stop_bit_cast(draw, op):
+    """float32 -> int32 or float64 -> int64: the same bits."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    to = onnx.TensorProto.INT32 if dtype == np.float32 else onnx.TensorProto.INT64
+    return Spec(op, [("x", uniform(rng, draw(shape_st()), -2, 2, dtype))], ("x",), {"to": to}, kind="stop",
+                opset=opset_for(draw, op, 26, (26, 28)))
+
+
+@case("HannWindow", "HammingWindow", "BlackmanWindow")
+def stop_window(draw, op):
+    size = np.asarray(draw(st.integers(1, 6)), draw(st.sampled_from([np.int32, np.int64])))
+    attrs = {"periodic": draw(st.integers(0, 1)),
+             "output_datatype": draw(st.sampled_from([onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE]))}
+    return Spec(op, [("size", size)], (), attrs, kind="stop", opset=opset_for(draw, op, 17, (17, 21)))
+
+
+@case("MelWeightMatrix")
+def stop_mel_weight_matrix(draw, op):
+    """The band edges are float inputs: the matrix is piecewise constant in them."""
+    dtype = draw(DTYPES)
+    lower = draw(st.floats(0.0, 1000.0))
+    inputs = [("bins", ints(draw(st.integers(1, 4)))), ("dft_length", ints(draw(st.sampled_from([8, 16])))),
+              ("rate", ints(8000)), ("lower", np.asarray(lower, dtype)),
+              ("upper", np.asarray(lower + draw(st.floats(500.0, 3000.0)), dtype))]
+    return Spec(op, inputs, ("lower", "upper"), kind="stop", opset=opset_for(draw, op, 17, (17, 21)))
+
+
+@case("MatMulInteger", "ConvInteger")
+def stop_integer_products(draw, op):
+    rng = rng_of(draw)
+    if op == "MatMulInteger":
+        m, k, n = (draw(st.integers(1, 3)) for _ in range(3))
+        sa, sb = (m, k), (k, n)
+    else:
+        c, spatial = draw(st.integers(1, 2)), draw(shape_st(1, 2, 2, 4))
+        kernel = tuple(draw(st.integers(1, d)) for d in spatial)
+        sa, sb = (1, c) + spatial, (draw(st.integers(1, 2)), c) + kernel
+    inputs = [("a", np.asarray(rng.integers(0, 255, sa), np.uint8)),
+              ("b", np.asarray(rng.integers(0, 255, sb), np.uint8))]
+    if draw(st.booleans()):
+        inputs += [("a_zero", np.asarray(rng.integers(0, 255), np.uint8)),
+                   ("b_zero", np.asarray(rng.integers(0, 255), np.uint8))]
+    return Spec(op, inputs, (), kind="stop", opset=opset_for(draw, op))
+
+
+@case("QLinearMatMul", "QLinearConv")
+def stop_qlinear(draw, op):
+    """Integer in, integer out; the float scales get no gradient either."""
+    rng, dtype = rng_of(draw), np.float32  # the scales are float32 only
+    if op == "QLinearMatMul":
+        m, k, n = (draw(st.integers(1, 3)) for _ in range(3))
+        sa, sb = (m, k), (k, n)
+    else:
+        c, spatial = draw(st.integers(1, 2)), draw(shape_st(1, 2, 2, 4))
+        sa, sb = (1, c) + spatial, (draw(st.integers(1, 2)), c) + tuple(draw(st.integers(1, d)) for d in spatial)
+
+    def quantized(name, shape):
+        return [(name, np.asarray(rng.integers(0, 255, shape), np.uint8)),
+                (f"{name}_scale", uniform(rng, (), 0.01, 0.1, dtype)),
+                (f"{name}_zero", np.asarray(rng.integers(0, 255), np.uint8))]
+
+    inputs = quantized("a", sa) + quantized("b", sb)
+    out = [("y_scale", uniform(rng, (), 0.05, 0.5, dtype)), ("y_zero", np.asarray(rng.integers(0, 255), np.uint8))]
+    scales = ("a_scale", "b_scale", "y_scale")
+    return Spec(op, inputs + out, _subset(draw, scales), kind="stop", opset=opset_for(draw, op))
+
+
+@case("NonMaxSuppression")
+def stop_non_max_suppression(draw, op):
+    rng, dtype = rng_of(draw), np.float32  # onnxruntime: float32 boxes and scores only
+    batch, boxes, classes = draw(st.integers(1, 2)), draw(st.integers(1, 5)), draw(st.integers(1, 2))
+    corners = uniform(rng, (batch, boxes, 2), 0, 1, dtype)
+    inputs = [("boxes", np.concatenate([corners, corners + uniform(rng, (batch, boxes, 2), 0.1, 0.5, dtype)], -1)),
+              ("scores", uniform(rng, (batch, classes, boxes), 0, 1, dtype)),
+              ("max_boxes", ints([draw(st.integers(0, 3))])),
+              ("iou", np.asarray([draw(st.floats(0.1, 0.9))], dtype)),
+              ("score_threshold", np.asarray([draw(st.floats(0.0, 0.5))], dtype))]
+    return Spec(op, inputs, _subset(draw, ["boxes", "scores"]), {"center_point_box": draw(st.integers(0, 1))},
+                kind="stop", opset=opset_for(draw, op))
+
+
+@case("Unique")
+def stop_unique(draw, op):
+    """Y holds values of X, but no derivative at the ties that make it useful: a clean stop."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = draw(shape_st(1, 3))
+    x = np.asarray(rng.integers(-2, 3, shape), dtype)  # repeated values
+    attrs = {"sorted": draw(st.integers(0, 1))}
+    if draw(st.booleans()):
+        attrs["axis"] = draw(st.integers(-len(shape), len(shape) - 1))
+    return Spec(op, [("x", x)], ("x",), attrs, kind="stop", opset=opset_for(draw, op), outputs=4)
+
+
+def _strings(rng, shape, words=("ab", "Cd", "e f", "GH i", "")):
+    return np.asarray(rng.choice(words, shape), dtype=object)
+
+
+# The string ops' outputs enter the loss through their shapes (strings cannot be cast to floats).
+_SHAPE_OF_Y0 = (helper.make_node("Shape", ["y0"], ["y0_shape"]),)
+
+
+@case("StringNormalizer", "StringConcat", "StringSplit", "RegexFullMatch")
+def stop_strings(draw, op):
+    rng = rng_of(draw)
+    if op == "StringNormalizer":  # [C] or [1, C]
+        shape = draw(st.sampled_from([(), (1,)])) + (draw(st.integers(1, MAX_SIDE)),)
+    else:
+        shape = draw(shape_st(0, 2))
+    inputs, attrs, outputs, read = [("s", _strings(rng, shape))], {}, 1, _SHAPE_OF_Y0
+    graph_outputs = ("y0_shape",)
+    if op == "StringNormalizer":  # the "C" locale: onnxruntime's default, en_US.UTF-8, may be missing
+        attrs = {"case_change_action": draw(st.sampled_from(["LOWER", "UPPER", "NONE"])), "locale": "C"}
+    elif op == "StringConcat":
+        inputs.append(("t", _strings(rng, shape)))
+    elif op == "StringSplit":
+        attrs, outputs, read, graph_outputs = {"delimiter": " "}, 2, (), ("y1",)
+    else:
+        attrs, read, graph_outputs = {"pattern": "[a-z]+"}, (), ("y0",)
+    return Spec(op, inputs, (), attrs, kind="stop", opset=opset_for(draw, op, 20, (20, 21)), outputs=outputs,
+                extra_nodes=read, graph_outputs=graph_outputs)
+
+
+@case("TfIdfVectorizer")
+def stop_tf_idf(draw, op):
+    rng = rng_of(draw)
+    x = ints(rng.integers(0, 5, draw(shape_st(1, 2, 1, 5))))
+    attrs = {"mode": draw(st.sampled_from(["TF", "IDF", "TFIDF"])), "min_gram_length": 1, "max_gram_length": 1,
+             "max_skip_count": 0, "ngram_counts": [0], "ngram_indexes": [0, 1, 2], "pool_int64s": [1, 2, 3]}
+    return Spec(op, [("x", x)], (), attrs, kind="stop", opset=opset_for(draw, op))
+
+
+def _check_stop_in_reference(spec: Spec) -> None:
+    """``opcases.check_stop`` with every run in the reference evaluator (no onnxruntime kernel)."""
+    model, feeds = opcases.forward_model(spec)
+    names = [o.name for o in model.graph.output]
+    values = ReferenceEvaluator(model).run(names, feeds)
+    model = opcases.fdcheck.with_weighted_loss(model, {n: np.shape(v) for n, v in zip(names, values)})
+    model, probes = opcases._with_passthrough(model, spec, feeds, 0)
+    grad_model = build_gradient_graph(model, opcases.fdcheck.LOSS, list(probes))
+    grads = ReferenceEvaluator(grad_model).run([f"{p}{opcases.fdcheck.GRAD_SUFFIX}" for p in probes], feeds)
+    for (name, expected), got in zip(probes.items(), grads):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6, err_msg=f"{name} of {spec.describe()}")
+
+
+@case("ImageDecoder")
+def stop_image_decoder(draw, op):
+    """A PNG or BMP of a few pixels. onnxruntime has no ImageDecoder kernel: the reference
+    evaluator runs it (with Pillow, a dependency of matplotlib). A float64 value beside it,
+    read by nothing but the stop check's own term, is what is trained: opcases.runnable then
+    hands the spec on (as float32) instead of failing on the missing kernel."""
+    import PIL.Image
+
+    rng = rng_of(draw)
+    pixels = np.asarray(rng.integers(0, 256, (draw(st.integers(1, 3)), draw(st.integers(1, 3)), 3)), np.uint8)
+    encoded = io.BytesIO()
+    PIL.Image.fromarray(pixels).save(encoded, format=draw(st.sampled_from(["PNG", "BMP"])))
+    attrs = {"pixel_format": draw(st.sampled_from(["RGB", "BGR", "Grayscale"]))}
+    return Spec(op, [("encoded", np.frombuffer(encoded.getvalue(), np.uint8).copy())], ("beside",), attrs,
+                kind="stop", opset=opset_for(draw, op, 20, (20, 21)), custom=_check_stop_in_reference,
+                side_inputs=[("beside", uniform(rng, (2,), -1, 1))])
+
+
+# ---- rules owned by other modules (conv, resize, recurrent, control, sequence, ...) ------------
 
 
 def other(*ops: str):
@@ -1004,6 +1206,8 @@ def pool(draw, op):
     attrs = _windows(draw, spatial, with_dilation=op == "MaxPool")
     if op == "AveragePool":
         attrs["count_include_pad"] = draw(st.integers(0, 1))
+    if op == "MaxPool" and draw(st.booleans()):  # column-major Indices
+        attrs["storage_order"] = 1
     if op == "LpPool":
         attrs["p"] = draw(st.integers(1, 3))
     opset = opset_for(draw, op)
@@ -1039,6 +1243,34 @@ def global_pool(draw, op):
     rng, dtype = rng_of(draw), draw(DTYPES)
     x, _ = _pool_input(draw, rng, dtype, op)
     return Spec(op, [("x", x)], ("x",), opset=opset_for(draw, op))
+
+
+@other("DeformConv")
+def deform_conv(draw, op):
+    """2-D (onnxruntime runs no other): groups and offset groups, offsets up to 2 pixels (some
+    samples land partly or wholly outside X), an optional bias and mask."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    group, offset_group = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    channels = int(np.lcm(group, offset_group)) * draw(st.integers(1, 2))
+    outs, n = group * draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    spatial = draw(shape_st(2, 2, 3, 5))
+    attrs = _windows(draw, spatial)
+    kernel = attrs["kernel_shape"]
+    out = [(size + attrs["pads"][a] + attrs["pads"][2 + a] - (k - 1) * d - 1) // s + 1
+           for a, (size, k, d, s) in enumerate(zip(spatial, kernel, attrs["dilations"], attrs["strides"]))]
+    taps = int(np.prod(kernel))
+    inputs = [("x", uniform(rng, (n, channels) + spatial, -1, 1, dtype)),
+              ("w", uniform(rng, (outs, channels // group, *kernel), -1, 1, dtype)),
+              ("offset", uniform(rng, (n, offset_group * taps * 2, *out), -2, 2, dtype)),
+              ("bias", uniform(rng, (outs,), -1, 1, dtype) if draw(st.booleans()) else None),
+              ("mask", uniform(rng, (n, offset_group * taps, *out), -1, 1.5, dtype) if draw(st.booleans()) else None)]
+    attrs.update(group=group, offset_group=offset_group)
+    static = ()
+    if draw(st.booleans()):  # the kernel read from W's shape, which must then be static
+        del attrs["kernel_shape"]
+        static = (("w", 2), ("w", 3))
+    return Spec(op, inputs, _subset(draw, [k for k, v in inputs if v is not None]), attrs,
+                opset=opset_for(draw, op, 19, (19, 22)), static_dims=static)
 
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
@@ -1097,25 +1329,46 @@ def resize(draw, op):
     return Spec(op, inputs, ("x",), attrs, opset=opset_for(draw, op), custom=_check_linear_in_ort)
 
 
-def _check_linear_in_ort(spec: Spec) -> None:
-    """For an op linear in x: the gradient vs unit-step central differences of onnxruntime's
-    own forward (exact up to rounding), every element of x."""
+@case("Shrink")
+def shrink(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    lambd = draw(st.sampled_from([0.0, 0.5, 1.0]))
+    attrs = {"lambd": lambd, "bias": draw(st.sampled_from([0.0, 0.25]))}
+    x = away(rng, draw(shape_st()), -3, 3, (-lambd, lambd), dtype)
+    # onnxruntime computes a float64 Shrink in float32: checked against its slopes (1 outside
+    # [-lambd, lambd], 0 inside) rather than float64 central differences.
+    return Spec(op, [("x", x)], ("x",), attrs, opset=opset_for(draw, op), custom=_check_shrink)
+
+
+def _check_shrink(spec: Spec) -> None:
     model, feeds = opcases.loss_model(spec)
-    [grad] = opcases.run_gradient_model(model, ["x"], feeds, [])
+    (grad,) = opcases.run_gradient_model(model, spec.wrt, feeds, [])
+    weight = opcases.initializer(model, "fdcheck_w_0").astype(np.float64)
+    x = feeds["x"].astype(np.float64)
+    expected = np.where(np.abs(x) > spec.attrs["lambd"], weight, 0.0)
+    np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=0, err_msg=spec.describe())
+
+
+def _check_linear_in_ort(spec: Spec) -> None:
+    """For an op linear in each trained input: the gradient vs unit-step central differences
+    of onnxruntime's own forward (exact up to rounding), every element of each."""
+    model, feeds = opcases.loss_model(spec)
+    grads = opcases.run_gradient_model(model, spec.wrt, feeds, [])
     run = opcases.fdcheck.session(model).run
     weight = opcases.initializer(model, "fdcheck_w_0").astype(np.float64)
-    x = feeds["x"]
-    numeric = np.empty(x.size)
-    for k in range(x.size):
-        ys = []
-        for sign in (1, -1):
-            bumped = x.copy().reshape(-1)
-            bumped[k] += sign
-            ys.append(run(["y0"], {**feeds, "x": bumped.reshape(x.shape)})[0].astype(np.float64))
-        numeric[k] = np.sum((ys[0] - ys[1]) * weight) / 2
     tol = opcases.fdcheck.tolerance_for(spec.dtype)
-    np.testing.assert_allclose(grad.reshape(-1), numeric, rtol=tol.rtol, atol=tol.atol,
-                               err_msg=spec.describe())
+    for name, grad in zip(spec.wrt, grads):
+        x = feeds[name]
+        numeric = np.empty(x.size)
+        for k in range(x.size):
+            ys = []
+            for sign in (1, -1):
+                bumped = x.copy().reshape(-1)
+                bumped[k] += sign
+                ys.append(run(["y0"], {**feeds, name: bumped.reshape(x.shape)})[0].astype(np.float64))
+            numeric[k] = np.sum((ys[0] - ys[1]) * weight) / 2
+        np.testing.assert_allclose(grad.reshape(-1), numeric, rtol=tol.rtol, atol=tol.atol,
+                                   err_msg=f"{name} of {spec.describe()}")
 
 
 def _branch(name, nodes, out):
@@ -1158,6 +1411,971 @@ def sequence(draw, op):
     at = helper.make_node("SequenceAt", ["y0", "position"], ["z"])
     return Spec("SplitToSequence", inputs, ("x",), attrs, opset=opset_for(draw, "SplitToSequence"),
                 extra_nodes=(at,), graph_outputs=("z",), side_inputs=[("position", ints(position))])
+
+
+# ---- rules of newer opsets (newer.py) ----------------------------------------------------------
+
+
+@other("Compress")
+def compress(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = draw(shape_st(1, 3))
+    axis = draw(st.one_of(st.none(), st.integers(-len(shape), len(shape) - 1)))
+    length = int(np.prod(shape)) if axis is None else shape[axis]
+    cond = np.asarray(draw(st.lists(st.booleans(), min_size=1, max_size=length)))
+    attrs = {} if axis is None else {"axis": axis}
+    return Spec(op, [("x", uniform(rng, shape, -1, 1, dtype)), ("cond", cond)], ("x",), attrs,
+                opset=opset_for(draw, op), dynamic=("cond",) if draw(st.booleans()) else ())
+
+
+@other("CenterCropPad")
+def center_crop_pad(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = draw(shape_st(1, 3))
+    rank = len(shape)
+    axes = draw(st.one_of(st.none(), st.lists(st.integers(-rank, rank - 1), min_size=1, max_size=rank,
+                                              unique_by=lambda a: a % rank)))
+    target = ints([draw(st.integers(1, MAX_SIDE + 2)) for _ in range(rank if axes is None else len(axes))])
+    return Spec(op, [("x", uniform(rng, shape, -1, 1, dtype)), ("shape", target)], ("x",),
+                {} if axes is None else {"axes": axes}, opset=opset_for(draw, op, 18, (18, 21)))
+
+
+@other("Col2Im")
+def col2im(draw, op):
+    """Blocks (N, C * prod(block), L) summed into an image; L follows from the geometry."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    dims = draw(st.integers(1, 2))
+    image = [draw(st.integers(2, 5)) for _ in range(dims)]
+    block, strides, dilations, pads, blocks = [], [], [], [], 1
+    for size in image:
+        while True:
+            k, s, d = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+            pb, pe = draw(st.integers(0, 1)), draw(st.integers(0, 1))
+            count = (size + pb + pe - (k - 1) * d - 1) // s + 1
+            if count >= 1:
+                break
+        block.append(k)
+        strides.append(s)
+        dilations.append(d)
+        pads.append((pb, pe))
+        blocks *= count
+    channels = draw(st.integers(1, 2))
+    x = uniform(rng, (draw(st.integers(1, 2)), channels * int(np.prod(block)), blocks), -1, 1, dtype)
+    attrs = {"strides": strides, "dilations": dilations,
+             "pads": [p[0] for p in pads] + [p[1] for p in pads]}
+    return Spec(op, [("x", x), ("image_shape", ints(image)), ("block_shape", ints(block))], ("x",), attrs,
+                opset=opset_for(draw, op, 18, (18, 21)))
+
+
+@other("MaxUnpool")
+def max_unpool(draw, op):
+    """Indices from a MaxPool of another tensor (overlapping windows repeat an index)."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    dims = draw(st.integers(1, 2))
+    kernel = [draw(st.integers(1, 3)) for _ in range(dims)]
+    strides = [draw(st.integers(1, 2)) for _ in range(dims)]
+    source = (draw(st.integers(1, 2)), draw(st.integers(1, 2))) + tuple(draw(st.integers(k, k + 3))
+                                                                          for k in kernel)
+    pool = helper.make_graph([helper.make_node("MaxPool", ["s"], ["y", "i"], kernel_shape=kernel, strides=strides)],
+                             "pool", [helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, source)],
+                             [onnx.ValueInfoProto(name="y"), onnx.ValueInfoProto(name="i")])
+    # onnxruntime's MaxPool (the reference evaluator's misplaces indices of some windows)
+    pooled, indices = opcases.fdcheck.session(helper.make_model(
+        pool, opset_imports=[helper.make_opsetid("", 13)], ir_version=opcases.IR_VERSION)).run(
+        None, {"s": spread(rng, source, np.float32)})
+    inferred = source[:2] + tuple((o - 1) * s + k for o, s, k in zip(pooled.shape[2:], strides, kernel))
+    inputs = [("x", uniform(rng, pooled.shape, -1, 1, dtype)), ("i", ints(indices))]
+    if inferred != source or draw(st.booleans()):
+        inputs.append(("output_shape", ints(source)))
+    # Linear in x; onnxruntime's own forward is the oracle: the reference evaluator lays out
+    # output_shape differently.
+    return Spec(op, inputs, ("x",), {"kernel_shape": kernel, "strides": strides},
+                opset=opset_for(draw, op, 13, (13, 18, 21, 22)), custom=_check_linear_in_ort)
+
+
+@other("LpNormalization")
+def lp_normalization(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = draw(shape_st(1))
+    attrs = {"p": draw(st.sampled_from([1, 2])), "axis": draw(st.integers(-len(shape), len(shape) - 1))}
+    # |x| has a kink at 0 (p = 1); the norm stays well away from 0
+    x = away(rng, shape, -2, 2, (0.0,), dtype, 0.3)
+    return Spec(op, [("x", x)], ("x",), attrs, opset=opset_for(draw, op, 13, (13, 18, 21, 22)))
+
+
+Forward = Callable[[dict[str, np.ndarray], dict], "np.ndarray | list[np.ndarray]"]
+
+
+def _numpy_oracle(forward: Forward) -> Callable[[Spec], None]:
+    """A check of the gradients against float64 central differences (step ``fdcheck.FD_EPS``,
+    every element) of ``forward(inputs by name, attrs)`` in numpy, which returns the op's
+    output (or outputs y0, y1, ...): for ops that no float64 runtime runs, or runs right."""
+
+    def check(spec: Spec) -> None:
+        model, feeds = opcases.loss_model(spec)
+        forward_model, _ = opcases.forward_model(spec)
+        weighted = [(int(name[1:]), opcases.initializer(model, f"fdcheck_w_{k}").astype(np.float64))
+                    for k, name in enumerate(opcases.float_outputs(forward_model, spec.loss_outputs))]
+        grads = opcases.run_gradient_model(model, spec.wrt, feeds, [])
+        values = {k: v for k, v in spec.all_inputs() if v is not None}
+        values.update({k: np.asarray(v, np.float64) for k, v in feeds.items()})
+
+        def loss(inputs):
+            outs = forward(inputs, spec.attrs)
+            outs = [outs] if isinstance(outs, np.ndarray) else outs
+            return sum(np.sum(outs[i] * w) for i, w in weighted)
+
+        step, tol = opcases.fdcheck.FD_EPS, opcases.fdcheck.tolerance_for(spec.dtype)
+        for name, grad in zip(spec.wrt, grads):
+            x = values[name]
+            numeric = np.empty(x.size)
+            for k in range(x.size):
+                losses = []
+                for sign in (1, -1):
+                    bumped = x.copy().reshape(-1)
+                    bumped[k] += sign * step
+                    losses.append(loss({**values, name: bumped.reshape(x.shape)}))
+                numeric[k] = (losses[0] - losses[1]) / (2 * step)
+            np.testing.assert_allclose(grad.reshape(-1), numeric, rtol=tol.rtol, atol=tol.atol,
+                                       err_msg=f"{name} of {spec.describe()}")
+
+    return check
+
+
+def _lrn(inputs, attrs):
+    x = inputs["x"]
+    size = attrs["size"]
+    alpha, beta, bias = attrs.get("alpha", 1e-4), attrs.get("beta", 0.75), attrs.get("bias", 1.0)
+    channels = x.shape[1]
+    sums = np.zeros_like(x)
+    for c in range(channels):
+        lo, hi = max(0, c - (size - 1) // 2), min(channels, c + size // 2 + 1)
+        sums[:, c] = np.sum(x[:, lo:hi] ** 2, axis=1)
+    return x / (bias + alpha / size * sums) ** beta
+
+
+@other("LRN")
+def lrn(draw, op):
+    """Checked against numpy: the reference LRN loops over the batch axis instead of the
+    channels, and onnxruntime has no float64 LRN (and runs odd sizes on 4-D inputs only)."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 6)), draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    attrs = {"size": draw(st.sampled_from([1, 3, 5])), "alpha": draw(st.floats(1e-3, 2.0)),
+             "beta": draw(st.floats(0.3, 1.5)), "bias": draw(st.floats(0.5, 2.0))}
+    return Spec(op, [("x", uniform(rng, shape, -2, 2, dtype))], ("x",), attrs, opset=opset_for(draw, op),
+                custom=_numpy_oracle(_lrn))
+
+
+def _global_lp_pool(inputs, attrs):
+    x = inputs["x"]
+    p = attrs.get("p", 2)
+    return np.sum(np.abs(x) ** p, axis=tuple(range(2, x.ndim)), keepdims=True) ** (1.0 / p)
+
+
+@other("GlobalLpPool")
+def global_lp_pool(draw, op):
+    """Checked against numpy: nothing runs GlobalLpPool in float64 (onnxruntime's kernel is
+    opset 2's, so the cases stay below opset 22)."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 2))) + draw(shape_st(1, 3, 1, 3))
+    attrs = {"p": draw(st.integers(1, 3))}
+    x = away(rng, shape, -2, 2, (0.0,), dtype, 0.1)  # |x|^p: a kink at 0 for p = 1
+    return Spec(op, [("x", x)], ("x",), attrs, opset=opset_for(draw, op), custom=_numpy_oracle(_global_lp_pool))
+
+
+@other("Det")
+def det(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    size = draw(st.integers(1, 4))
+    shape = draw(shape_st(0, 2, 1, 3)) + (size, size)
+    rank = len(shape)
+    # The rule needs the matrix size: those dims stay static.
+    return Spec(op, [("x", uniform(rng, shape, -1, 1, dtype))], ("x",), opset=opset_for(draw, op, 13, (13, 21, 22)),
+                static_dims=(("x", rank - 2), ("x", rank - 1)))
+
+
+@other("CumProd")
+def cumprod(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = draw(shape_st(1))
+    x = uniform(rng, shape, -1.5, 1.5, dtype)
+    if draw(st.booleans()):  # exact zeros: the product stays linear in each factor
+        x[rng.random(shape) < ZERO_FRACTION] = 0.0
+    axis = np.asarray(draw(st.integers(-len(shape), len(shape) - 1)), draw(st.sampled_from([np.int32, np.int64])))
+    attrs = {"exclusive": draw(st.integers(0, 1)), "reverse": draw(st.integers(0, 1))}
+    return Spec(op, [("x", x), ("axis", axis)], ("x",), attrs, opset=opset_for(draw, op, 26, (26, 28)),
+                dynamic=("axis",) if draw(st.booleans()) else ())
+
+
+# First opset whose Mod takes fmod=0 (floor) for floats.
+MOD_FLOOR_SINCE = 28
+# Distance kept between a / b and an integer (where the remainder jumps).
+MOD_MARGIN = 0.1
+
+
+@other("Mod")
+def mod(draw, op):
+    """fmod=1 (C's fmod) or fmod=0 (floor); a / b kept away from the integers, where C jumps.
+    The operand of full (output) shape is made from the other and the chosen quotients."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    fmod = draw(st.integers(0, 1))
+    opset = MOD_FLOOR_SINCE if fmod == 0 else draw(st.sampled_from([13, 21, MOD_FLOOR_SINCE]))
+    full, part = broadcast_shapes(draw, 2)
+    full = np.broadcast_shapes(full, part)
+    quotient = rng.integers(-3, 4, full) + rng.uniform(MOD_MARGIN, 1 - MOD_MARGIN, full)
+    if draw(st.booleans()):  # a full, b broadcast
+        b = away(rng, part, -2, 2, (0.0,), np.float64, 0.5)
+        a = b * quotient
+    else:  # b full, a broadcast
+        a = away(rng, part, -3, 3, (0.0,), np.float64, 0.5)
+        b = a / quotient
+    inputs = [("a", np.asarray(a, dtype)), ("b", np.asarray(b, dtype))]
+    return Spec(op, inputs, draw(st.sampled_from([("a", "b"), ("a",), ("b",)])), {"fmod": fmod}, opset=opset)
+
+
+@other("Hardmax")
+def hardmax(draw, op):
+    """Piecewise constant: a zero gradient (no ties, so no jump within the step)."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = draw(shape_st(1))
+    [x] = distinct(rng, [shape], dtype)
+    attrs = {"axis": draw(st.integers(-len(shape), len(shape) - 1))} if draw(st.booleans()) else {}
+    return Spec(op, [("x", x)], ("x",), attrs, opset=opset_for(draw, op))
+
+
+@other("GridSample")
+def grid_sample(draw, op):
+    """Opsets 20 and 22 (16's mode names have no float64 kernel nor reference); the grid
+    reaches beyond [-1, 1], so that every padding mode maps some coordinates."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    mode = draw(st.sampled_from(["nearest", "linear", "cubic"]))
+    dims = 2 if mode == "cubic" else draw(st.sampled_from([2, 3]))
+    attrs = {"mode": mode, "padding_mode": draw(st.sampled_from(["zeros", "border", "reflection"])),
+             "align_corners": draw(st.integers(0, 1))}
+    n = draw(st.integers(1, 2))
+    x_shape = (n, draw(st.integers(1, 2))) + tuple(draw(st.integers(1, 4)) for _ in range(dims))
+    grid_shape = (n,) + tuple(draw(st.integers(1, 3)) for _ in range(dims)) + (dims,)
+    inputs = [("x", uniform(rng, x_shape, -1, 1, dtype)), ("grid", uniform(rng, grid_shape, -2.6, 2.6, dtype))]
+    return Spec(op, inputs, draw(st.sampled_from([("x", "grid"), ("x",), ("grid",)])), attrs,
+                opset=opset_for(draw, op, 20, (20, 22)))
+
+
+@other("AffineGrid")
+def affine_grid(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    dims = draw(st.sampled_from([2, 3]))
+    n = draw(st.integers(1, 2))
+    size = ints([n, draw(st.integers(1, 3))] + [draw(st.integers(1, 4)) for _ in range(dims)])
+    theta = uniform(rng, (n, dims, dims + 1), -1, 1, dtype)
+    return Spec(op, [("theta", theta), ("size", size)], ("theta",), {"align_corners": draw(st.integers(0, 1))},
+                opset=opset_for(draw, op, 20, (20, 21)))
+
+
+# ---- attention and the newest normalizations (attention.py) -----------------------------------
+
+
+@other("Attention")
+def attention(draw, op):
+    """4-D (B, H, S, D) or 3-D (B, S, H * D) Q, K, V; grouped heads, a float or bool mask,
+    causal, scale and softcap."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    batch, hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    hq, sq, skv = hkv * group, draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    d, dv = draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 3]))
+    attrs = {}
+    if draw(st.booleans()):
+        attrs["is_causal"] = 1
+    if draw(st.booleans()):
+        attrs["scale"] = draw(st.floats(0.2, 1.0))
+    if draw(st.booleans()):
+        attrs["softcap"] = draw(st.floats(1.0, 3.0))
+    static = ()
+    if draw(st.booleans()):
+        attrs.update(q_num_heads=hq, kv_num_heads=hkv)
+        shapes = [(batch, sq, hq * d), (batch, skv, hkv * d), (batch, skv, hkv * dv)]
+        # ONNX shape inference (1.23) gives Y's hidden size 0 when V's is unknown
+        static = (("v", 2),)
+    else:
+        shapes = [(batch, hq, sq, d), (batch, hkv, skv, d), (batch, hkv, skv, dv)]
+    inputs = [(name, uniform(rng, shape, -1, 1, dtype)) for name, shape in zip("qkv", shapes)]
+    mask_shape = draw(st.sampled_from([(sq, skv), (1, hq, sq, skv), (batch, 1, sq, skv)]))
+    kind = draw(st.sampled_from(["none", "float", "bool"]))
+    if kind == "float":
+        inputs.append(("mask", uniform(rng, mask_shape, -1, 1, dtype)))
+    elif kind == "bool":
+        mask = rng.random(mask_shape) > 0.3
+        mask[..., 0] = True  # every query sees a key (a fully masked row is NaN in onnxruntime)
+        inputs.append(("mask", mask))
+    float_inputs = [n for n, v in inputs if v.dtype == dtype]
+    return Spec(op, inputs, _subset(draw, float_inputs), attrs, opset=opset_for(draw, op, 23, (23, 24)),
+                static_dims=static)
+
+
+@other("RMSNormalization")
+def rms_norm(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = draw(shape_st(1))
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    trailing = shape[axis % len(shape):]
+    scale_shape = draw(st.sampled_from([trailing, trailing[1:], tuple(1 for _ in trailing)]))
+    inputs = [("x", uniform(rng, shape, -2, 2, dtype)), ("scale", uniform(rng, scale_shape, 0.5, 1.5, dtype))]
+    attrs = {"axis": axis, "epsilon": draw(st.sampled_from([1e-5, 1e-2]))}
+    return Spec(op, inputs, _subset(draw, ["x", "scale"]), attrs, opset=opset_for(draw, op, 23, (23, 24)))
+
+
+@other("RotaryEmbedding")
+def rotary_embedding(draw, op):
+    """4-D (B, H, S, D) or 3-D (B, S, H * D) x; cos / sin per (batch, position) or a cache
+    indexed by position_ids (repeated positions accumulate); part of the head rotated."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    batch, seq, heads = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    head = draw(st.sampled_from([2, 4, 6]))
+    rot = draw(st.sampled_from([0] + [r for r in (2, 4) if r < head]))
+    attrs = {"interleaved": draw(st.integers(0, 1))}
+    if rot:
+        attrs["rotary_embedding_dim"] = rot
+    if draw(st.booleans()):
+        attrs["num_heads"] = heads
+        x_shape = (batch, seq, heads * head)
+    else:
+        x_shape = (batch, heads, seq, head)
+    half = (rot or head) // 2
+    if draw(st.booleans()):
+        positions = draw(st.integers(seq, seq + 2))
+        ids = ints(rng.integers(0, positions, (batch, seq)))
+        cache_shape = (positions, half)
+    else:
+        ids, cache_shape = None, (batch, seq, half)
+    inputs = [("x", uniform(rng, x_shape, -1, 1, dtype)), ("cos", uniform(rng, cache_shape, -1, 1, dtype)),
+              ("sin", uniform(rng, cache_shape, -1, 1, dtype)), ("position_ids", ids)]
+    return Spec(op, inputs, _subset(draw, ["x", "cos", "sin"]), attrs, opset=opset_for(draw, op, 23, (23, 24)))
+
+
+@other("Swish")
+def swish(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    attrs = {"alpha": draw(st.floats(0.2, 2.5))} if draw(st.booleans()) else {}
+    return Spec(op, [("x", uniform(rng, draw(shape_st()), -3, 3, dtype))], ("x",), attrs,
+                opset=opset_for(draw, op, 24, (24,)))  # onnxruntime 1.32 runs no Swish-25
+
+
+# MeanVarianceNormalization's function body: (x - mean) / (std + this).
+MVN_EPSILON = 1e-9
+
+
+def _mean_variance_norm(inputs, attrs):
+    x = inputs["x"]
+    axes = tuple(attrs["axes"])
+    mean = x.mean(axes, keepdims=True)
+    return (x - mean) / (np.sqrt((x * x).mean(axes, keepdims=True) - mean * mean) + MVN_EPSILON)
+
+
+@other("MeanVarianceNormalization")
+def mean_variance_norm(draw, op):
+    """Checked against numpy: its function body adds a float32 epsilon, so no float64 copy runs."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = tuple(draw(st.integers(2, 3)) for _ in range(4))  # every group has a variance
+    # axes always given: ONNX's strict shape inference fails on the function body without it
+    axes = draw(st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True)) if draw(st.booleans()) \
+        else [0, 2, 3]
+    attrs = {"axes": axes}
+    return Spec(op, [("x", spread(rng, shape, dtype))], ("x",), attrs, opset=opset_for(draw, op),
+                custom=_numpy_oracle(_mean_variance_norm))
+
+
+# ---- quantization (quant_signal.py) -----------------------------------------------------------
+
+# Integer range of each zero-point dtype.
+QUANT_TYPES = {np.uint8: (0, 255), np.int8: (-128, 127)}
+# First opset with blocked quantization (block_size).
+QUANT_BLOCKED_SINCE = 21
+
+
+def _quant_params(draw, rng, shape, opset):
+    """(attrs, scale, zero point or None, the zero point's dtype) for x of ``shape``: per tensor,
+    per axis or (opset 21+) in blocks along the axis."""
+    grain = draw(st.sampled_from(["tensor", "axis", "blocked"] if opset >= QUANT_BLOCKED_SINCE
+                                 else ["tensor", "axis"]))
+    attrs, p_shape = {}, ()
+    if grain != "tensor":
+        axis = draw(st.integers(-len(shape), len(shape) - 1))
+        attrs["axis"] = axis
+        p_shape = (shape[axis],)
+    if grain == "blocked":
+        block = draw(st.integers(1, 3))
+        blocks = tuple(-(-d // block) if i == attrs["axis"] % len(shape) else d for i, d in enumerate(shape))
+        if int(np.prod(blocks)) > 1:  # onnxruntime takes a single scale as per tensor
+            attrs["block_size"] = block
+            p_shape = blocks
+    zp_type = draw(st.sampled_from(list(QUANT_TYPES)))
+    lo, hi = QUANT_TYPES[zp_type]
+    zp = np.asarray(rng.integers(lo, hi + 1, p_shape), zp_type) if draw(st.booleans()) else None
+    if zp is None:
+        zp_type = np.uint8  # the default zero point
+    # steps of 0.005 to 0.03: QuantizeLinear's x in [-3, 3] spans 200 to 1200 levels, so some clip
+    return attrs, uniform(rng, p_shape, 0.005, 0.03, np.float32), zp, zp_type
+
+
+def _expand_param(p, attrs, shape):
+    """A scale / zero point broadcast against x (per tensor, per axis or blocked)."""
+    p = np.asarray(p)
+    if p.ndim == 0:
+        return p
+    axis = attrs["axis"] % len(shape)
+    if "block_size" in attrs:
+        return np.take(np.repeat(p, attrs["block_size"], axis=axis), range(shape[axis]), axis=axis)
+    return p.reshape([-1 if i == axis else 1 for i in range(len(shape))])
+
+
+def _reduce_param(v, p, attrs):
+    """Sum ``v`` (shaped like x) down to the shape of the parameter ``p``."""
+    if np.ndim(p) == 0:
+        return v.sum()
+    axis = attrs["axis"] % v.ndim
+    if "block_size" not in attrs:
+        return v.sum(axis=tuple(i for i in range(v.ndim) if i != axis))
+    starts = np.arange(0, v.shape[axis], attrs["block_size"])
+    return np.add.reduceat(v, starts, axis=axis)
+
+
+def _check_fake_quantize(spec: Spec) -> None:
+    """QuantizeLinear -> DequantizeLinear vs torch's learnable fake-quantize gradients (the
+    straight-through estimator): dx = g inside the integer range, 0 where clipped; d scale =
+    g * (round(x / s) - x / s) inside, g * (q - zp) (q the clipped bound) outside."""
+    model, feeds = opcases.loss_model(spec)
+    grads = dict(zip(spec.wrt, opcases.run_gradient_model(model, spec.wrt, feeds, [])))
+    g = opcases.initializer(model, "fdcheck_w_0").astype(np.float64)
+    x, scale, zp = spec.array("x"), spec.array("scale"), spec.array("zp")
+    lo, hi = QUANT_TYPES[np.uint8 if zp is None else zp.dtype.type]
+    s = _expand_param(scale, spec.attrs, x.shape)
+    z = 0 if zp is None else _expand_param(zp, spec.attrs, x.shape).astype(np.float64)
+    ratio = (x / s).astype(np.float32).astype(np.float64)  # as the runtime divides: in float32
+    level = np.round(ratio) + z
+    inside = (level >= lo) & (level <= hi)
+    expected = {"x": g * inside,
+                "scale": _reduce_param(g * np.where(inside, np.round(ratio) - ratio, np.clip(level, lo, hi) - z),
+                                       scale, spec.attrs)}
+    tol = opcases.fdcheck.FLOAT32_TOL
+    for name in spec.wrt:
+        np.testing.assert_allclose(grads[name], np.reshape(expected[name], np.shape(grads[name])),
+                                   rtol=tol.rtol, atol=tol.atol, err_msg=f"{name} of {spec.describe()}")
+
+
+@other("QuantizeLinear")
+def quantize_linear(draw, op):
+    """A Q -> DQ pair (fake quantization; the rule refuses a Q read by anything else)."""
+    rng = rng_of(draw)
+    opset = opset_for(draw, op, 13, (13, 19, 21))
+    shape = draw(shape_st(1))
+    attrs, scale, zp, _ = _quant_params(draw, rng, shape, opset)
+    x = uniform(rng, shape, -3, 3, np.float32)
+    inputs = [("x", x), ("scale", scale), ("zp", zp)]
+    dq = helper.make_node("DequantizeLinear", ["y0", "scale"] + ([] if zp is None else ["zp"]), ["z"], **attrs)
+    return Spec(op, inputs, _subset(draw, ["x", "scale"]), attrs, opset=opset, extra_nodes=(dq,),
+                graph_outputs=("z",), custom=_check_fake_quantize)
+
+
+@other("DequantizeLinear")
+def dequantize_linear(draw, op):
+    """y = (q - zp) * scale: linear in the scale (q, an integer input, takes no gradient here)."""
+    rng = rng_of(draw)
+    opset = opset_for(draw, op, 13, (13, 19, 21))
+    shape = draw(shape_st(1))
+    attrs, scale, zp, q_type = _quant_params(draw, rng, shape, opset)
+    lo, hi = QUANT_TYPES[q_type]
+    q = np.asarray(rng.integers(lo, hi + 1, shape), q_type)
+    # No float64 oracle: the scale of a DequantizeLinear cannot be float64.
+    return Spec(op, [("q", q), ("scale", scale), ("zp", zp)], ("scale",), attrs, opset=opset,
+                custom=_check_linear_in_ort)
+
+
+# ---- sequences and optionals (sequence.py) ----------------------------------------------------
+
+
+def _read_sequence(draw, seq, shapes, concat=True):
+    """Nodes that turn sequence ``seq`` (elements of ``shapes``) into tensors, the values they
+    read besides (positions) and their outputs: SequenceAt at one or two positions, or (equal
+    shapes, ``concat``) a ConcatFromSequence."""
+    count = len(shapes)
+    if concat and len(set(shapes)) == 1 and draw(st.booleans()):
+        rank, new_axis = len(shapes[0]), draw(st.integers(0, 1))
+        axis = draw(st.integers(-rank - new_axis, rank - 1 + new_axis))
+        return [helper.make_node("ConcatFromSequence", [seq], ["z0"], axis=axis, new_axis=new_axis)], [], ("z0",)
+    nodes, side, outs = [], [], []
+    for k in range(draw(st.integers(1, 2))):
+        pos = np.asarray(draw(st.integers(-count, count - 1)), draw(st.sampled_from([np.int32, np.int64])))
+        side.append((f"pos{k}", pos))
+        nodes.append(helper.make_node("SequenceAt", [seq, f"pos{k}"], [f"z{k}"]))
+        outs.append(f"z{k}")
+    return nodes, side, tuple(outs)
+
+
+def _elements(draw, count):
+    """(names, arrays) of ``count`` sequence elements of one rank (equal shapes half the time)."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    rank = draw(st.integers(1, 3))
+    if draw(st.booleans()):
+        shapes = [draw(shape_st(rank, rank, 1, 3))] * count
+    else:
+        shapes = [draw(shape_st(rank, rank, 1, 3)) for _ in range(count)]
+    return [f"x{i}" for i in range(count)], [uniform(rng, s, -1, 1, dtype) for s in shapes]
+
+
+def _shapes(arrays):
+    return [a.shape for a in arrays]
+
+
+@other("SequenceConstruct")
+def sequence_construct(draw, op):
+    """x0..xk -> SequenceConstruct -> SequenceAt(s) or ConcatFromSequence."""
+    names, arrays = _elements(draw, draw(st.integers(1, 3)))
+    reads, side, outs = _read_sequence(draw, "y0", _shapes(arrays))
+    return Spec(op, list(zip(names, arrays)), _subset(draw, names), opset=opset_for(draw, op),
+                extra_nodes=tuple(reads), graph_outputs=outs, side_inputs=side)
+
+
+@other("ConcatFromSequence")
+def concat_from_sequence(draw, op):
+    """x0..xk -> SequenceConstruct -> ConcatFromSequence (along an axis, or a new one)."""
+    new_axis = draw(st.integers(0, 1))
+    rank = draw(st.integers(1, 3))
+    axis = draw(st.integers(-rank - new_axis, rank - 1 + new_axis))
+    count = draw(st.integers(1, 3))
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    base = [draw(st.integers(1, 3)) for _ in range(rank)]
+    arrays = []
+    for _ in range(count):
+        shape = list(base)
+        if not new_axis:
+            shape[axis % rank] = draw(st.integers(1, 3))
+        arrays.append(uniform(rng, tuple(shape), -1, 1, dtype))
+    names = [f"x{i}" for i in range(count)]
+    concat = helper.make_node(op, ["y0"], ["z"], axis=axis, new_axis=new_axis)
+    return Spec("SequenceConstruct", list(zip(names, arrays)), _subset(draw, names), opset=opset_for(draw, op),
+                extra_nodes=(concat,), graph_outputs=("z",))
+
+
+@other("SequenceInsert")
+def sequence_insert(draw, op):
+    """x0..xk -> SequenceConstruct -> SequenceInsert(t, at position or at the end) -> read out."""
+    names, arrays = _elements(draw, draw(st.integers(1, 3)) + 1)
+    t, names, arrays = arrays[-1], names[:-1], arrays[:-1]
+    count = len(names)
+    side, inputs = [("t", t)], ["y0", "t"]
+    position = count
+    if draw(st.booleans()):
+        position = draw(st.integers(-count, count))
+        side.append(("at", ints(position)))
+        inputs.append("at")
+    shapes = _shapes(arrays)
+    shapes.insert(position if position >= 0 else position + count, t.shape)
+    reads, read_side, outs = _read_sequence(draw, "s1", shapes)
+    insert = helper.make_node(op, inputs, ["s1"])
+    return Spec("SequenceConstruct", list(zip(names, arrays)), _subset(draw, names + ["t"]),
+                opset=opset_for(draw, op), extra_nodes=(insert, *reads), graph_outputs=outs,
+                side_inputs=side + read_side)
+
+
+@other("SequenceErase")
+def sequence_erase(draw, op):
+    """x0..xk (k >= 1) -> SequenceConstruct -> SequenceErase(at position or the last) -> read out."""
+    names, arrays = _elements(draw, draw(st.integers(2, 4)))
+    count = len(names)
+    side, inputs = [], ["y0"]
+    position = -1
+    if draw(st.booleans()):
+        position = draw(st.integers(-count, count - 1))
+        side.append(("at", ints(position)))
+        inputs.append("at")
+    shapes = _shapes(arrays)
+    del shapes[position]
+    reads, read_side, outs = _read_sequence(draw, "s1", shapes)
+    erase = helper.make_node(op, inputs, ["s1"])
+    return Spec("SequenceConstruct", list(zip(names, arrays)), _subset(draw, names), opset=opset_for(draw, op),
+                extra_nodes=(erase, *reads), graph_outputs=outs, side_inputs=side + read_side)
+
+
+@other("SequenceEmpty")
+def sequence_empty(draw, op):
+    """SequenceEmpty -> SequenceInsert(x) (one or more) -> read out: the gradient reaches x
+    around the empty sequence's clean stop."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = draw(shape_st(1, 3, 1, 3))
+    count = draw(st.integers(1, 2))
+    names = [f"x{i}" for i in range(count)]
+    side = [(n, uniform(rng, shape, -1, 1, dtype)) for n in names]
+    nodes, seq = [], "y0"
+    for i, name in enumerate(names):
+        nodes.append(helper.make_node("SequenceInsert", [seq, name], [f"s{i}"]))
+        seq = f"s{i}"
+    # SequenceAt only: ONNX shape inference leaves the elements of SequenceEmpty + SequenceInsert
+    # without a rank, and the ConcatFromSequence rule needs it.
+    reads, read_side, outs = _read_sequence(draw, seq, [shape] * count, concat=False)
+    attrs = {"dtype": helper.np_dtype_to_tensor_dtype(np.dtype(dtype))}
+    return Spec(op, [], _subset(draw, names), attrs, opset=opset_for(draw, op), extra_nodes=(*nodes, *reads),
+                graph_outputs=outs, side_inputs=side + read_side)
+
+
+@other("SequenceLength")
+def sequence_length(draw, op):
+    """x -> SequenceConstruct -> SequenceLength: a clean stop (an int64 count)."""
+    names, arrays = _elements(draw, draw(st.integers(1, 3)))
+    length = helper.make_node("SequenceLength", ["y0"], ["n"])
+    return Spec("SequenceConstruct", list(zip(names, arrays)), _subset(draw, names), opset=opset_for(draw, op),
+                extra_nodes=(length,), graph_outputs=("n",), kind="stop")
+
+
+@other("Optional", "OptionalGetElement")
+def optional(draw, op):
+    """Optional of a tensor (or of a SequenceConstruct's sequence) -> OptionalGetElement."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    opset = opset_for(draw, "OptionalGetElement", 15)
+    x = uniform(rng, draw(shape_st()), -1, 1, dtype)
+    if draw(st.booleans()):
+        get = helper.make_node("OptionalGetElement", ["y0"], ["z"])
+        return Spec("Optional", [("x", x)], ("x",), opset=opset, extra_nodes=(get,), graph_outputs=("z",))
+    inputs = [("x", x), ("x1", uniform(rng, draw(shape_st()), -1, 1, dtype))]
+    nodes = (helper.make_node("Optional", ["y0"], ["opt"]),
+             helper.make_node("OptionalGetElement", ["opt"], ["got"]),
+             helper.make_node("SequenceAt", ["got", "pos"], ["z"]))
+    return Spec("SequenceConstruct", inputs, _subset(draw, ["x", "x1"]), opset=opset, extra_nodes=nodes,
+                graph_outputs=("z",), side_inputs=[("pos", ints(draw(st.integers(-2, 1))))])
+
+
+@other("OptionalHasElement")
+def optional_has_element(draw, op):
+    """x -> Optional -> OptionalHasElement: a clean stop (a bool)."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    has = helper.make_node("OptionalHasElement", ["y0"], ["h"])
+    return Spec("Optional", [("x", uniform(rng, draw(shape_st()), -1, 1, dtype))], ("x",),
+                opset=opset_for(draw, op, 15), extra_nodes=(has,), graph_outputs=("h",), kind="stop")
+
+
+# ---- signal, detection and the newest fused ops (quant_signal.py) ------------------------------
+
+
+@other("DFT")
+def dft(draw, op):
+    """Every mode: forward / inverse, complex or real input, onesided (RFFT of a real input,
+    IRFFT of the standard N // 2 + 1 bins), a dft_length that pads or cuts."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    opset = opset_for(draw, op, 17, (17, 20))
+    dims = list(draw(shape_st(1, 3, 1, 5)))
+    axis = draw(st.integers(0, len(dims) - 1))
+    inverse, onesided = draw(st.sampled_from([(0, 0), (0, 1), (1, 0), (1, 1)]))
+    complex_in = inverse if onesided else draw(st.integers(0, 1))
+    length = draw(st.sampled_from([None, max(1, dims[axis] - 2), dims[axis] + 2]))
+    if inverse and onesided:  # the rule supports the standard layout only
+        length = draw(st.sampled_from([2 * dims[axis] - 1] + ([None, 2 * dims[axis] - 2] if dims[axis] > 1 else [])))
+    shape = tuple(dims) + (1 + complex_in,)
+    signed = axis - len(shape) if draw(st.booleans()) else axis
+    inputs = [("x", uniform(rng, shape, -1, 1, dtype)), ("length", None if length is None else ints(length))]
+    attrs = {"inverse": inverse, "onesided": onesided}
+    if opset >= 20:
+        inputs.append(("axis", ints(signed)))
+    else:
+        attrs["axis"] = signed
+    # The rule needs the real / complex axis and (IRFFT) the bin count.
+    return Spec(op, inputs, ("x",), attrs, opset=opset, static_dims=(("x", len(dims)), ("x", axis)))
+
+
+@other("STFT")
+def stft(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    batch, signal = draw(st.integers(1, 2)), draw(st.integers(4, 10))
+    complex_in = draw(st.integers(0, 1))
+    frame = draw(st.integers(2, signal))
+    form = draw(st.sampled_from(["window", "frame_length", "both"]))
+    inputs = [("x", uniform(rng, (batch, signal, 1 + complex_in), -1, 1, dtype)), ("step", ints(draw(st.integers(1, 4)))),
+              ("window", uniform(rng, (frame,), 0, 1, dtype) if form != "frame_length" else None),
+              ("frame_length", ints(frame) if form != "window" else None)]
+    attrs = {"onesided": 0 if complex_in else draw(st.integers(0, 1))}
+    wrt = _subset(draw, ["x", "window"] if form != "frame_length" else ["x"])
+    return Spec(op, inputs, wrt, attrs, opset=opset_for(draw, op, 17, (17, 21)), static_dims=(("x", 2),))
+
+
+@other("TensorScatter")
+def tensor_scatter(draw, op):
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    rank = draw(st.integers(3, 4))
+    axis = draw(st.integers(1, rank - 1))
+    cache = [draw(st.integers(1, 3)) for _ in range(rank)]
+    cache[axis] = draw(st.integers(2, 5))
+    update = list(cache)
+    update[axis] = draw(st.integers(1, cache[axis]))
+    mode = draw(st.sampled_from(["linear", "circular"]))
+    at = None
+    if draw(st.booleans()):
+        top = cache[axis] if mode == "circular" else cache[axis] - update[axis]
+        at = ints(rng.integers(0, top + 1, cache[0]))
+    inputs = [("past", uniform(rng, tuple(cache), -1, 1, dtype)), ("update", uniform(rng, tuple(update), -1, 1, dtype)),
+              ("at", at)]
+    attrs = {"axis": axis - rank if draw(st.booleans()) else axis, "mode": mode}
+    return Spec(op, inputs, _subset(draw, ["past", "update"]), attrs, opset=opset_for(draw, op, 24, (24, 25)))
+
+
+def _check_in_reference(spec: Spec) -> None:
+    """``opcases.check_grad`` with the analytic side run in the reference evaluator too (the
+    numeric side is float64 central differences, in it or in onnxruntime)."""
+    model, feeds = opcases.forward_model(spec)
+    names = opcases.float_outputs(model, spec.loss_outputs)
+    values = ReferenceEvaluator(model).run(names, feeds)
+    model = opcases.fdcheck.with_weighted_loss(model, {n: np.shape(v) for n, v in zip(names, values)})
+    grad_model = build_gradient_graph(model, opcases.fdcheck.LOSS, list(spec.wrt))
+    grads = ReferenceEvaluator(grad_model).run([f"{w}{opcases.fdcheck.GRAD_SUFFIX}" for w in spec.wrt], feeds)
+    tol = opcases.fdcheck.tolerance_for(spec.dtype)
+    report = check.compare_with_central_differences(
+        model, opcases.fdcheck.LOSS, dict(zip(spec.wrt, grads)), feeds, eps=opcases.fdcheck.FD_EPS,
+        rtol=tol.rtol, atol=tol.atol, max_elements=opcases.fdcheck.MAX_ELEMENTS, float64_only=True,
+        kink_screen=check.KinkScreen(opcases.fdcheck.KINK_RTOL, opcases.fdcheck.KINK_ATOL))
+    rows = [opcases.fdcheck._report(row) for row in report]
+    assert all(r.ok for r in rows), f"gradient mismatch for {spec.describe()}\n{opcases.fdcheck.describe(rows)}"
+
+
+@other("SwiGLU")
+def swiglu(draw, op):
+    """onnxruntime cannot run SwiGLU-28 (its function body's Swish): checked in the reference
+    evaluator. Drawn in float64 so that opcases.runnable hands the spec on (as float32)."""
+    rng = rng_of(draw)
+    shape = draw(shape_st())
+    attrs = {"alpha": draw(st.floats(0.5, 2.0))} if draw(st.booleans()) else {}
+    inputs = [("a", uniform(rng, shape, -3, 3)), ("v", uniform(rng, shape, -2, 2))]
+    return Spec(op, inputs, _subset(draw, ["a", "v"]), attrs, opset=opset_for(draw, op, 28, (28,)),
+                custom=_check_in_reference)
+
+
+def _causal_conv(inputs, attrs):
+    """y = act(depthwise conv of [past (zeros), x] with w + bias), state = its last k - 1 steps."""
+    x, w = inputs["x"], inputs["w"]
+    taps = w.shape[2]
+    past = inputs.get("past")
+    if past is None:
+        past = np.zeros(x.shape[:2] + (taps - 1,))
+    padded = np.concatenate([past, x], axis=2)
+    z = sum(w[None, :, 0, j, None] * padded[:, :, j:j + x.shape[2]] for j in range(taps))
+    if inputs.get("bias") is not None:
+        z = z + inputs["bias"][None, :, None]
+    if attrs.get("activation", "none") != "none":
+        z = z / (1 + np.exp(-z))
+    return [z, padded[:, :, x.shape[2]:]]
+
+
+@other("CausalConvWithState")
+def causal_conv_with_state(draw, op):
+    """Checked against numpy: onnxruntime runs it in float32 only, and the reference evaluator
+    computes SiLU in float32."""
+    rng, dtype = rng_of(draw), np.float32
+    batch, channels, length, taps = (draw(st.integers(1, n)) for n in (2, 3, 4, 3))
+    inputs = [("x", uniform(rng, (batch, channels, length), -1, 1, dtype)),
+              ("w", uniform(rng, (channels, 1, taps), -1, 1, dtype)),
+              ("bias", uniform(rng, (channels,), -1, 1, dtype) if draw(st.booleans()) else None),
+              ("past", uniform(rng, (batch, channels, taps - 1), -1, 1, dtype)
+               if taps > 1 and draw(st.booleans()) else None)]
+    attrs = {"activation": draw(st.sampled_from(["none", "silu", "swish"]))}
+    # Both outputs named (ONNX shape inference fails on the node without present_state); with
+    # an activation, y is in the loss: the rule refuses an activation when only present_state
+    # has a gradient (a rule bug, reported).
+    used = _subset(draw, [0, 1], required=(0,) if attrs["activation"] != "none" else ())
+    # All dims static: onnxruntime expands this op's function only for known shapes.
+    static = tuple((n, i) for n, v in inputs if v is not None for i in range(v.ndim))
+    return Spec(op, inputs, _subset(draw, [n for n, v in inputs if v is not None]), attrs,
+                opset=opset_for(draw, op, 27, (27, 28)), outputs=2, loss_outputs=used,
+                custom=_numpy_oracle(_causal_conv), static_dims=static)
+
+
+def _boxes(rng, count, height, width, scale, dtype):
+    """RoIs (x1, y1, x2, y2) in input coordinates, some reaching past the image."""
+    lo = rng.uniform([-1.0, -1.0], [width - 1.0, height - 1.0], (count, 2))
+    hi = lo + rng.uniform(0.3, 1.0, (count, 2)) * np.array([width, height]) * 0.8
+    return (np.concatenate([lo, hi], axis=1) / scale).astype(dtype)
+
+
+@other("RoiAlign")
+def roi_align(draw, op):
+    """float32 only: the rule's gradient graph holds a float64 OneHot in float64, which
+    onnxruntime has no kernel for (a rule bug, reported)."""
+    rng, dtype = rng_of(draw), np.float32
+    opset = opset_for(draw, op, 13, (13, 16, 21))
+    n, c, h, w = (draw(st.integers(1, k)) for k in (2, 2, 5, 5))
+    count = draw(st.integers(1, 3))
+    scale = draw(st.sampled_from([1.0, 0.5]))
+    attrs = {"mode": draw(st.sampled_from(["avg", "max"])), "spatial_scale": scale,
+             "output_height": draw(st.integers(1, 3)), "output_width": draw(st.integers(1, 3)),
+             "sampling_ratio": draw(st.integers(0, 2))}
+    if opset >= 16:
+        attrs["coordinate_transformation_mode"] = draw(st.sampled_from(["half_pixel", "output_half_pixel"]))
+    x = uniform(rng, (n, c, h, w), -1, 1, dtype)
+    if attrs["mode"] == "max":  # the max of weighted corner values: no ties, no zeros (w0 x vs w1 x)
+        x = spread(rng, (n, c, h, w), dtype)
+        x = np.where(x >= 0, x + MARGIN * 2, x - MARGIN * 2).astype(dtype)
+    inputs = [("x", x), ("rois", _boxes(rng, count, h, w, scale, dtype)), ("batch", ints(rng.integers(0, n, count)))]
+    return Spec(op, inputs, ("x",), attrs, opset=opset)
+
+
+def _max_roi_pool(inputs, attrs):
+    """onnxruntime's MaxRoiPool (float32 rounding of the RoI corners and bin sizes)."""
+    x, rois = inputs["x"], inputs["rois"]
+    pooled, scale = attrs["pooled_shape"], np.float32(attrs.get("spatial_scale", 1.0))
+    height, width = x.shape[2:]
+    y = np.zeros((len(rois), x.shape[1], *pooled))
+    for r, roi in enumerate(rois):
+        x1, y1, x2, y2 = (int(np.sign(v) * np.floor(abs(v) + 0.5)) for v in roi[1:] * scale)
+        cell_h = np.float32(max(y2 - y1 + 1, 1)) / np.float32(pooled[0])
+        cell_w = np.float32(max(x2 - x1 + 1, 1)) / np.float32(pooled[1])
+        for ph in range(pooled[0]):
+            hs = min(max(int(np.floor(ph * cell_h)) + y1, 0), height)
+            he = min(max(int(np.ceil((ph + 1) * cell_h)) + y1, 0), height)
+            for pw in range(pooled[1]):
+                ws = min(max(int(np.floor(pw * cell_w)) + x1, 0), width)
+                we = min(max(int(np.ceil((pw + 1) * cell_w)) + x1, 0), width)
+                if he > hs and we > ws:
+                    y[r, :, ph, pw] = x[int(roi[0]), :, hs:he, ws:we].reshape(x.shape[1], -1).max(axis=1)
+    return y
+
+
+@other("MaxRoiPool")
+def max_roi_pool(draw, op):
+    """Checked against a numpy port of onnxruntime's kernel (float32 only: no float64 oracle)."""
+    rng, dtype = rng_of(draw), np.float32
+    n, c, h, w = (draw(st.integers(1, k)) for k in (2, 2, 5, 5))
+    count = draw(st.integers(1, 3))
+    scale = draw(st.sampled_from([1.0, 0.5, 0.25]))
+    rois = np.concatenate([rng.integers(0, n, (count, 1)), _boxes(rng, count, h, w, scale, dtype)], axis=1)
+    attrs = {"pooled_shape": [draw(st.integers(1, 3)), draw(st.integers(1, 3))], "spatial_scale": scale}
+    inputs = [("x", spread(rng, (n, c, h, w), dtype)), ("rois", rois.astype(dtype))]
+    return Spec(op, inputs, ("x",), attrs, opset=opset_for(draw, op), custom=_numpy_oracle(_max_roi_pool))
+
+
+def _linear_attention(inputs, attrs):
+    """The recurrence of LinearAttention's reference implementation (see its schema); the
+    update rule shows in which of decay (gated) and beta (delta) are given."""
+    q_heads, kv_heads = attrs["q_num_heads"], attrs["kv_num_heads"]
+
+    def heads(x, count):  # [B, T, H * D] -> [B, H, T, D]
+        return x.reshape(*x.shape[:2], count, -1).transpose(0, 2, 1, 3)
+
+    q, k, v = heads(inputs["query"], q_heads), heads(inputs["key"], kv_heads), heads(inputs["value"], kv_heads)
+    batch, _, steps, d_k = k.shape
+    state = inputs.get("past")
+    state = np.zeros((batch, kv_heads, d_k, v.shape[-1])) if state is None else state
+    scale = attrs.get("scale") or 1.0 / np.sqrt(d_k)
+    decay = inputs.get("decay")
+    a = np.exp(heads(decay, kv_heads)) if decay is not None else None  # [B, Hkv, T, dk or 1]
+    beta = inputs.get("beta")
+    rate = beta.reshape(batch, steps, -1, 1).transpose(0, 2, 1, 3) if beta is not None else None
+    outs = []
+    for t in range(steps):
+        if a is not None:
+            state = state * a[:, :, t, :, None]
+        u = v[:, :, t]
+        if rate is not None:
+            u = rate[:, :, t] * (u - np.einsum("bhdm,bhd->bhm", state, k[:, :, t]))
+        state = state + k[:, :, t, :, None] * u[:, :, None, :]
+        outs.append(scale * np.einsum("bhd,bhdm->bhm", q[:, :, t], np.repeat(state, q_heads // kv_heads, 1)))
+    return [np.stack(outs, 2).transpose(0, 2, 1, 3).reshape(batch, steps, -1), state]
+
+
+@other("LinearAttention")
+def linear_attention(draw, op):
+    """Every update rule, grouped heads, a past state, per-head or per-key decay, shared or
+    per-head beta. Checked against numpy: the op's function body and the reference evaluator
+    compute in float32."""
+    rng, dtype = rng_of(draw), np.float32
+    rule = draw(st.sampled_from(["linear", "gated", "delta", "gated_delta"]))
+    kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    batch, steps, d_k, d_v = (draw(st.integers(1, n)) for n in (2, 3, 3, 3))
+    shapes = {"query": (batch, steps, kv_heads * group * d_k), "key": (batch, steps, kv_heads * d_k),
+              "value": (batch, steps, kv_heads * d_v),
+              "past": (batch, kv_heads, d_k, d_v) if draw(st.booleans()) else None,
+              "decay": (batch, steps, kv_heads * draw(st.sampled_from([1, d_k]))) if "gated" in rule else None,
+              "beta": (batch, steps, draw(st.sampled_from([1, kv_heads]))) if "delta" in rule else None}
+    inputs = [(name, None if shape is None else uniform(rng, shape, -0.5, 0.5, dtype)) for name, shape in shapes.items()]
+    values = dict(inputs)
+    if values["decay"] is not None:  # log-space decay: a = exp(decay) < 1
+        values["decay"] = -np.abs(values["decay"])
+    if values["beta"] is not None:
+        values["beta"] = uniform(rng, shapes["beta"], 0.1, 0.9, dtype)
+    inputs = [(name, values[name]) for name, _ in inputs]
+    attrs = {"update_rule": rule, "q_num_heads": kv_heads * group, "kv_num_heads": kv_heads}
+    if draw(st.booleans()):
+        attrs["scale"] = draw(st.floats(0.3, 1.0))
+    fed = [n for n, v in inputs if v is not None]
+    # All dims static: onnxruntime expands this op's function only for known shapes.
+    static = tuple((n, i) for n, v in inputs if v is not None for i in range(v.ndim))
+    return Spec(op, inputs, _subset(draw, fed), attrs, opset=opset_for(draw, op, 27, (27, 28)), outputs=2,
+                loss_outputs=_subset(draw, [0, 1]), custom=_numpy_oracle(_linear_attention), static_dims=static)
+
+
+# ---- Loop and Scan (control.py) -----------------------------------------------------------------
+
+
+def _body(name, nodes, inputs, outputs):
+    """A subgraph; ``inputs`` and ``outputs`` are (name, elem type) with shapes left open, but
+    for a Loop's iteration number and condition (scalars: onnxruntime needs their shapes)."""
+    scalars = ("iter", "cond_in", "cond_out")
+
+    def info(name, elem):
+        return helper.make_tensor_value_info(name, elem, [] if name in scalars else None)
+
+    return helper.make_graph(nodes, name, [info(*i) for i in inputs], [info(*o) for o in outputs])
+
+
+def _state_and_weight(draw, rng, dtype):
+    """A state v and an outer weight a that broadcasts onto v without growing it."""
+    shape = draw(shape_st(0, 3, 1, 3))
+    rank = draw(st.integers(0, len(shape)))
+    a_shape = tuple(1 if draw(st.integers(0, 2)) == 0 else d for d in shape[len(shape) - rank:])
+    return uniform(rng, shape, -1, 1, dtype), uniform(rng, a_shape, -1, 1, dtype)
+
+
+@other("Loop")
+def loop(draw, op):
+    """v_{k+1} = sin(v_k) * a + v_k * k, scan output v_k * a; a is read from the outer scope.
+    A trip count (0 to 3), with or without a (true) condition."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    v0, a = _state_and_weight(draw, rng, dtype)
+    body = _body("step", [
+        helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        helper.make_node("Sin", ["v"], ["sin_v"]),
+        helper.make_node("Mul", ["sin_v", "a"], ["sin_va"]),
+        helper.make_node("Cast", ["iter"], ["k"], to=elem),
+        helper.make_node("Mul", ["v", "k"], ["vk"]),
+        helper.make_node("Add", ["sin_va", "vk"], ["v_next"]),
+        helper.make_node("Mul", ["v", "a"], ["y"]),
+    ], [("iter", onnx.TensorProto.INT64), ("cond_in", onnx.TensorProto.BOOL), ("v", elem)],
+        [("cond_out", onnx.TensorProto.BOOL), ("v_next", elem), ("y", elem)])
+    cond = np.asarray(True) if draw(st.booleans()) else None
+    inputs = [("trips", ints(draw(st.integers(0, 3)))), ("cond", cond), ("v0", v0)]
+    return Spec(op, inputs, _subset(draw, ["v0", "a"]), {"body": body}, opset=opset_for(draw, op), outputs=2,
+                loss_outputs=_subset(draw, [0, 1]), side_inputs=[("a", a)],
+                dynamic=("trips",) if draw(st.booleans()) else ())
+
+
+@other("Scan")
+def scan(draw, op):
+    """h_{t+1} = sin(h_t * x_t) + a, scan output h_{t+1} * x_t, over 1 to 3 steps along any
+    axis, in either direction, stacked along any axis and direction; a from the outer scope."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    h0, a = _state_and_weight(draw, rng, dtype)
+    steps, rank = draw(st.integers(1, 3)), h0.ndim
+    in_axis = draw(st.integers(-rank - 1, rank))
+    xs_shape = list(h0.shape)
+    xs_shape.insert(in_axis % (rank + 1), steps)
+    body = _body("step", [
+        helper.make_node("Mul", ["h", "x_t"], ["hx"]),
+        helper.make_node("Sin", ["hx"], ["sin_hx"]),
+        helper.make_node("Add", ["sin_hx", "a"], ["h_next"]),
+        helper.make_node("Mul", ["h_next", "x_t"], ["y_t"]),
+    ], [("h", elem), ("x_t", elem)], [("h_next", elem), ("y_t", elem)])
+    attrs = {"body": body, "num_scan_inputs": 1, "scan_input_axes": [in_axis],
+             "scan_input_directions": [draw(st.integers(0, 1))],
+             "scan_output_axes": [draw(st.integers(-rank - 1, rank))],
+             "scan_output_directions": [draw(st.integers(0, 1))]}
+    inputs = [("h0", h0), ("xs", uniform(rng, tuple(xs_shape), -1, 1, dtype))]
+    return Spec(op, inputs, _subset(draw, ["h0", "xs", "a"]), attrs, opset=opset_for(draw, op), outputs=2,
+                loss_outputs=_subset(draw, [0, 1]), side_inputs=[("a", a)])
 
 
 # ---- the test ----------------------------------------------------------------------------------

@@ -139,7 +139,9 @@ def test_branch_returning_outer_value_is_refused():
         build_gradient_graph(model, "loss", ["W"])
 
 
-def test_loop_has_no_rule():
+def test_a_loop_with_a_captured_weight_passes_the_gradient_check():
+    """The If-era placeholder that asserted Loop had no rule: Loop is now differentiated
+    (tests/test_rules_loop_scan.py covers it in depth); a float64 check of this small one."""
     body = oh.make_graph(
         [oh.make_node("Identity", ["cond_in"], ["cond_out"]),
          oh.make_node("MatMul", ["acc", "W"], ["acc_out"])],
@@ -159,5 +161,8 @@ def test_loop_has_no_rule():
         [oh.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
         [oh.make_tensor("W", TensorProto.FLOAT, [COLS, COLS], rng.standard_normal(COLS * COLS).tolist())])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=9)
-    with pytest.raises(GradientError, match="no gradient rule for ai.onnx::Loop"):
-        build_gradient_graph(model, "loss", ["W"])
+    feeds = {"x": rng.standard_normal((ROWS, COLS)).astype(np.float32), "c": np.array(True)}
+    rows = gradcheck(model, "loss", ["W", "x"], inputs=feeds)
+    assert [r.name for r in rows] == ["W", "x"]
+    for row in rows:
+        assert row.ok, row

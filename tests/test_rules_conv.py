@@ -349,11 +349,19 @@ def test_average_pool_window_in_padding_only(shape, attrs, count_include_pad):
     assert np.isfinite(onnx_grads(model, feeds)["x"]).all()
 
 
-def test_max_pool_storage_order_is_rejected():
-    model, feeds = make_model("MaxPool", pool_input(2, 6), dict(kernel_shape=[2, 2], storage_order=1),
-                              outputs=("y", "idx"))
-    with pytest.raises(Exception, match="storage_order=0"):
-        onnx_grads(model, feeds)
+@pytest.mark.parametrize("with_indices", [False, True])
+@pytest.mark.parametrize("attrs", [dict(kernel_shape=[2, 2]),
+                                   dict(kernel_shape=[3, 2], strides=[2, 1], pads=[1, 0, 1, 1]),
+                                   dict(kernel_shape=[2, 2], dilations=[2, 1], pads=[1, 1, 0, 1])])
+def test_max_pool_storage_order_1(attrs, with_indices):
+    """storage_order=1 (column-major Indices, here of a 6 x 5 image, so they differ from the
+    row-major ones): the gradient matches finite differences and the storage_order=0 gradient."""
+    outputs = ("y", "idx") if with_indices else ("y",)
+    model, feeds = make_model("MaxPool", pool_input(2, 6), dict(attrs, storage_order=1), outputs=outputs)
+    assert_fd(model, feeds)
+    row_major, _ = make_model("MaxPool", pool_input(2, 6), attrs, outputs=outputs)
+    np.testing.assert_allclose(onnx_grads(model, feeds)["x"], onnx_grads(row_major, feeds)["x"],
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_chain_with_symbolic_dims():

@@ -86,7 +86,15 @@ def _edges(node: ir.Node) -> list[tuple[int, ir.Value]]:
     return edges
 
 
+def is_quantized(value: ir.Value) -> bool:
+    """An output of QuantizeLinear: it carries the straight-through gradient (in floating point)."""
+    producer = value.producer()
+    return producer is not None and producer.op_type == "QuantizeLinear" and producer.domain in ("", "ai.onnx")
+
+
 def _is_diff_edge(rule: GradRule | None, index: int, value: ir.Value) -> bool:
+    if is_quantized(value):  # only into DequantizeLinear's quantized input
+        return rule is not None and rule.op_type == "DequantizeLinear" and index == 0
     return is_float(value) and (rule is None or rule.is_diff_input(index))
 
 
@@ -177,7 +185,7 @@ class GradientSweep:
         for node in self.graph:
             rule = self._rules[id(node)]
             if any(id(v) in forward and _is_diff_edge(rule, i, v) for i, v in _edges(node)):
-                forward.update(id(o) for o in node.outputs if is_float(o))
+                forward.update(id(o) for o in node.outputs if is_float(o) or is_quantized(o))
         needs: set[int] = set()
         toward_loss: dict[int, ir.Value] = {}
         needs.update(id(v) for v in self._seed_targets() if id(v) in forward)
@@ -297,7 +305,8 @@ class GradientSweep:
                     continue
                 if rule.broadcast:
                     g = b.unbroadcast(g, out_shape, b.wrap(v))
-                g = b.cast_to(g, v.dtype)
+                if is_float(v):  # a quantized value's gradient stays in floating point
+                    g = b.cast_to(g, v.dtype)
                 contribs.setdefault(id(v), []).append(g)
             b.marks = dict(outer)
 

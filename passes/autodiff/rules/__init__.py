@@ -1,12 +1,15 @@
 """Gradient rules, one module per op family; importing this package registers them all."""
 
 from passes.autodiff.rules import (  # noqa: F401
+    attention,
     control,
     conv,
     elementwise,
     linalg,
+    newer,
     nn,
     nondiff,
+    quant_signal,
     recurrent,
     reduce,
     resize,

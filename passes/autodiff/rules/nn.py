@@ -7,19 +7,52 @@ import onnx_ir as ir
 
 from passes.autodiff.registry import grad_rule
 
+# Ops that hand the softmax output on unchanged (but for its dtype), when looking for a NaN guard.
+_PASS_ON = frozenset({"Cast", "Identity"})
+# How far through such ops the guard is looked for.
+_GUARD_DEPTH = 4
+
+
+def _nan_guarded(b, value, depth: int = _GUARD_DEPTH) -> bool:
+    """Whether the forward graph replaces NaNs of ``value``: it feeds (through Cast/Identity/
+    CastLike) a branch of a Where or an IsNaN, as expanded Attention does for the NaN rows that a
+    softmax over a fully masked row gives (``Where(all_masked, 0, softmax)``)."""
+    for node, index in value.uses():
+        if node.domain not in ("", "ai.onnx") or any(b.owns(o) for o in node.outputs):
+            continue  # another rule's gradient node, not the forward graph
+        if node.op_type == "IsNaN" or node.op_type == "Where" and index in (1, 2):
+            return True
+        passes_on = node.op_type in _PASS_ON or node.op_type == "CastLike" and index == 0
+        if passes_on and depth > 0 and _nan_guarded(b, node.outputs[0], depth - 1):
+            return True
+    return False
+
+
+def _zero_nans(b, y):
+    return b.Where(b.IsNaN(y), 0.0, y, _like=y)
+
 
 @grad_rule("Softmax", since=13)
 def _softmax(b, n, g):
+    """dX = y * (dY - sum(dY * y)). Where the forward graph replaces the NaNs of y (a row of
+    -inf only; see :func:`_nan_guarded`), dY is 0 there and NaN y counts as 0: dX = 0, not NaN.
+    Unguarded softmax outputs (the common case) get no extra node."""
     y = n.outputs[0]
     axis = n.attr("axis", -1)
+    if _nan_guarded(b, n.node.outputs[0]):
+        y = _zero_nans(b, y)
     return [y * (g[0] - b.ReduceSum(g[0] * y, [axis], keepdims=1))]
 
 
 @grad_rule("LogSoftmax", since=13)
 def _log_softmax(b, n, g):
+    """dX = dY - exp(y) * sum(dY); NaN rows count as 0 where the graph replaces them (as Softmax)."""
     y = n.outputs[0]
     axis = n.attr("axis", -1)
-    return [g[0] - b.Exp(y) * b.ReduceSum(g[0], [axis], keepdims=1)]
+    probs = b.Exp(y)
+    if _nan_guarded(b, n.node.outputs[0]):
+        probs = _zero_nans(b, probs)
+    return [g[0] - probs * b.ReduceSum(g[0], [axis], keepdims=1)]
 
 
 def _normalized(b, x, axes, epsilon):

@@ -115,7 +115,7 @@ _selection("GatherND", unique=False)
 
 @grad_rule("SpaceToDepth")
 def _space_to_depth(b, n, g):
-    """A permutation: undone by DepthToSpace of the same mode (SpaceToDepth has modes from opset 25)."""
+    """A permutation: undone by DepthToSpace of the same mode (SpaceToDepth has modes from opset 28)."""
     return [b.DepthToSpace(g[0], blocksize=n.attr("blocksize"), mode=n.attr("mode", "DCR"))]
 
 
@@ -202,35 +202,62 @@ def _gather(b, n, g):
     return [out, None]
 
 
-def _scatter_reduction(n, op_type):
-    """'none' (updates overwrite) or 'add' (they accumulate); others are refused."""
-    reduction = n.attr("reduction", "none")
-    if reduction not in ("none", "add"):
-        raise ValueError(f"{op_type} gradient supports reduction='none' or 'add' only, not {reduction!r}")
-    return reduction
+def _scatter_grads(b, n, g, gather, scatter):
+    """Gradients of a scatter for every reduction, given ``gather(t)`` (t at the written
+    positions, shaped like updates) and ``scatter(base, values, reduction)`` (the op's indices).
+
+    none: updates overwrite; add: they accumulate; mul: out = data * product of the updates
+    (zero-safe: the product of the others is taken over nonzero factors where no other is
+    zero); min/max: the gradient goes to the data and update values equal to the output,
+    ties sharing it evenly (as ReduceMax does).
+    """
+    data, _, upd = n.inputs
+    reduction, go = n.attr("reduction", "none"), g[0]
+    d_data = d_upd = None
+    if reduction in ("none", "add"):
+        if n.needs_grad(0):
+            d_data = scatter(go, b.zeros_like(upd), "none") if reduction == "none" else go
+        d_upd = gather(go) if n.needs_grad(2) else None
+    elif reduction == "mul":
+        if n.needs_grad(0):
+            d_data = go * scatter(b.ones_like(data), upd, "mul")
+        if n.needs_grad(2):
+            is_zero = b.Equal(upd, 0.0)
+            nonzero = b.Where(is_zero, 1.0, upd, _like=upd)
+            zero_f = b.CastLike(is_zero, upd)
+            others_zero = gather(scatter(b.zeros_like(data), zero_f, "add")) - zero_f
+            full = gather(go * data * scatter(b.ones_like(data), nonzero, "mul"))
+            d_upd = b.Where(b.Equal(others_zero, 0.0), full / nonzero, 0.0, _like=upd)
+    elif reduction in ("min", "max"):
+        y = n.outputs[0]
+        hit_data = b.CastLike(b.Equal(data, y), y)
+        hit_upd = b.CastLike(b.Equal(upd, gather(y)), y)
+        share = go / (hit_data + scatter(b.zeros_like(data), hit_upd, "add"))
+        d_data = share * hit_data if n.needs_grad(0) else None
+        d_upd = gather(share) * hit_upd if n.needs_grad(2) else None
+    else:
+        raise ValueError(f"{n.op_type} gradient does not support reduction={reduction!r}")
+    return [d_data, None, d_upd]
 
 
 @grad_rule("ScatterND", diff_inputs=(0, 2))
 def _scatter_nd(b, n, g):
-    data, idx, upd = n.inputs
-    overwrite = _scatter_reduction(n, "ScatterND") == "none"
-    d_data = None
-    if n.needs_grad(0):
-        d_data = b.ScatterND(g[0], idx, b.zeros_like(upd)) if overwrite else g[0]
-    d_upd = b.GatherND(g[0], idx) if n.needs_grad(2) else None
-    return [d_data, None, d_upd]
+    idx = n.inputs[1]
+    return _scatter_grads(b, n, g, lambda t: b.GatherND(t, idx),
+                          lambda base, v, red: b.ScatterND(base, idx, v, reduction=_reduction_attr(red)))
 
 
 @grad_rule("ScatterElements", diff_inputs=(0, 2))
 def _scatter_elements(b, n, g):
-    data, idx, upd = n.inputs
-    axis = n.attr("axis", 0)
-    overwrite = _scatter_reduction(n, "ScatterElements") == "none"
-    d_data = None
-    if n.needs_grad(0):
-        d_data = b.ScatterElements(g[0], idx, b.zeros_like(upd), axis=axis) if overwrite else g[0]
-    d_upd = b.GatherElements(g[0], idx, axis=axis) if n.needs_grad(2) else None
-    return [d_data, None, d_upd]
+    idx, axis = n.inputs[1], n.attr("axis", 0)
+    return _scatter_grads(b, n, g, lambda t: b.GatherElements(t, idx, axis=axis),
+                          lambda base, v, red: b.ScatterElements(base, idx, v, axis=axis,
+                                                                 reduction=_reduction_attr(red)))
+
+
+def _reduction_attr(reduction: str):
+    """The ``reduction`` attribute to write: none for "none" (scatters before opset 16 have none)."""
+    return None if reduction == "none" else reduction
 
 
 @grad_rule("Pad", diff_inputs=(0,))
@@ -260,3 +287,34 @@ def _topk(b, n, g):
         return [None, None]
     zeros = b.zeros_like(x)
     return [b.ScatterElements(zeros, n.outputs[1], g[0], axis=axis), None]
+
+
+# ---- generated tensors that are linear in a float input --------------------------------------
+
+
+@grad_rule("Range", since=11, diff_inputs=(0, 2))
+def _range(b, n, g):
+    """y[i] = start + i * delta (the element count is locally constant in start, limit and
+    delta): d start = sum(dY), d delta = sum(dY * i); limit only sets the count."""
+    go = g[0]
+    grads = [None, None, None]
+    if n.needs_grad(0):
+        grads[0] = b.reduce("ReduceSum", go, None, keepdims=0)
+    if n.needs_grad(2):
+        count = b.Reshape(b.Size(go), [])
+        steps = b.Range(b.const(np.array(0, np.int64)), count, b.const(np.array(1, np.int64)))
+        grads[2] = b.reduce("ReduceSum", go * b.CastLike(steps, go), None, keepdims=0)
+    return grads
+
+
+@grad_rule("OneHot", since=9, diff_inputs=(2,))
+def _one_hot(b, n, g):
+    """y = values[1] at the hot positions, values[0] elsewhere: d values = [sum of dY off the
+    hot positions, sum of dY on them]. The hot positions come from the forward op itself on
+    values [0, 1] (same indices, depth, axis and dtypes, so the same kernel runs)."""
+    values, go = n.inputs[2], g[0]
+    unit = b.CastLike(b.const(np.array([0.0, 1.0], np.float32)), values)
+    hot = b.cast_to(b.OneHot(n.inputs[0], n.inputs[1], unit, axis=n.attr("axis", -1)), go.dtype)
+    on = b.reduce("ReduceSum", go * hot, None, keepdims=1)
+    off = b.reduce("ReduceSum", go - go * hot, None, keepdims=1)
+    return [None, None, b.Reshape(b.Concat(off, on, axis=0), b.Shape(values))]
