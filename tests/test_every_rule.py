@@ -42,7 +42,7 @@ from gradgraph import check
 from gradgraph.api import build_gradient_graph
 from passes.autodiff import registered_rules
 
-MAX_EXAMPLES = int(os.environ.get("EVERY_RULE_EXAMPLES", "40"))
+MAX_EXAMPLES = int(os.environ.get("EVERY_RULE_EXAMPLES", "25"))
 # The same examples every run unless EVERY_RULE_RANDOM is set (then fresh ones each run).
 DERANDOMIZE = "EVERY_RULE_RANDOM" not in os.environ
 SEEDS = st.integers(0, 2**32 - 1)

@@ -419,6 +419,15 @@ def _summary(request):
     yield
 
 
+# Cases known to fail, with why; they count as failed in test_backend_pass_rate. One that
+# passes must be taken off this list.
+KNOWN_FAILURES = {
+    "test_l2normalization_axis_0": "an all-zero slice: LpNormalization has no derivative there (a "
+    "nudge of +-h sends y to +-1); the rule gives 0, the central difference w/h, and the kink "
+    "screen misses a jump of the same size on both sides",
+}
+
+
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_backend_case(name):
     try:
@@ -429,6 +438,9 @@ def test_backend_case(name):
     RESULTS[name] = outcome
     if outcome.status in ("skipped", "missing"):  # missing: counted by test_backend_pass_rate
         pytest.skip(outcome.reason)
+    if name in KNOWN_FAILURES:
+        assert outcome.status == "failed", f"{name} now passes: take it off KNOWN_FAILURES"
+        pytest.xfail(KNOWN_FAILURES[name])
     assert outcome.status == "passed", f"{name}: gradient mismatch\n{outcome.reason}"
 
 

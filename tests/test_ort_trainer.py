@@ -97,7 +97,7 @@ def test_option_defaults_read_as_attributes():
         _ = opts.batch.size
 
 
-@pytest.mark.parametrize("options", [{"distributed": {"world_size": 2}},
+@pytest.mark.parametrize("options", [{"distributed": {"horizontal_parallel_size": 2}},
                                      {"utils": {"memory_efficient_gradient": True}}])
 def test_unimplemented_options_are_refused_by_name(options):
     with pytest.raises(NotImplementedError, match=next(iter(options))):

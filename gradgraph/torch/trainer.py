@@ -594,11 +594,12 @@ class ORTTrainer:
             raise RuntimeError("ORTTrainer.save_checkpoint: nothing to save before the first "
                                "train_step or eval_step")
         state = session.get_state()
+        micro_step = int(state[MICRO_STEP_KEY])
         if not include_optimizer_states:
             state = {n: state[n] for n in session.artifacts.params}
         info = self._train_step_info
         meta = {"kind": _CHECKPOINT_KIND, "optimizer": self.optim_config.name,
-                "step": session.step, "micro_step": int(state[MICRO_STEP_KEY]),
+                "step": session.step, "micro_step": micro_step,
                 "optimization_step": info.optimization_step, "train_step": info.step,
                 "include_optimizer_states": include_optimizer_states, "user": dict(user_dict or {})}
         write_checkpoint(path, state, meta)
