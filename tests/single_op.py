@@ -100,3 +100,31 @@ def assert_matches_torch(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]
     for name in feeds:
         np.testing.assert_allclose(ours[name], theirs[name], atol=TORCH_ATOL, rtol=TORCH_RTOL,
                                    err_msg=name)
+
+
+def max_roi_pool_reference(x: np.ndarray, rois: np.ndarray, pooled: Sequence[int], scale: float,
+                           dy: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """onnxruntime's MaxRoiPool forward (float32 rounding of the RoI corners and bin sizes; the
+    output in float64, exact: each element is one of ``x``'s), and the gradient of ``x`` for the
+    output gradient ``dy`` (zeros when None)."""
+    height, width = x.shape[2:]
+    y, dx = np.zeros((len(rois), x.shape[1], *pooled)), np.zeros_like(x)
+    dy = np.zeros_like(y) if dy is None else dy
+    for r, roi in enumerate(rois):
+        x1, y1, x2, y2 = (int(np.sign(v) * np.floor(abs(v) + 0.5)) for v in roi[1:] * np.float32(scale))
+        cell_h = np.float32(max(y2 - y1 + 1, 1)) / np.float32(pooled[0])
+        cell_w = np.float32(max(x2 - x1 + 1, 1)) / np.float32(pooled[1])
+        for ph in range(pooled[0]):
+            hs = min(max(int(np.floor(ph * cell_h)) + y1, 0), height)
+            he = min(max(int(np.ceil((ph + 1) * cell_h)) + y1, 0), height)
+            for pw in range(pooled[1]):
+                ws = min(max(int(np.floor(pw * cell_w)) + x1, 0), width)
+                we = min(max(int(np.ceil((pw + 1) * cell_w)) + x1, 0), width)
+                if he <= hs or we <= ws:
+                    continue
+                window = x[int(roi[0]), :, hs:he, ws:we].reshape(x.shape[1], -1)
+                best = window.argmax(axis=1)
+                y[r, :, ph, pw] = window.max(axis=1)
+                for ch, k in enumerate(best):
+                    dx[int(roi[0]), ch, hs + k // (we - ws), ws + k % (we - ws)] += dy[r, ch, ph, pw]
+    return y, dx

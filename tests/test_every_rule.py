@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from opcases import Spec
+from single_op import max_roi_pool_reference
 
 from gradgraph import check
 from gradgraph.api import build_gradient_graph
@@ -1349,6 +1350,20 @@ def _check_shrink(spec: Spec) -> None:
     np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=0, err_msg=spec.describe())
 
 
+def _central_differences(loss: Callable, values: dict, name: str, step: float) -> np.ndarray:
+    """``(loss(x + step e_k) - loss(x - step e_k)) / (2 step)`` for every element k of ``values[name]``."""
+    x = values[name]
+    numeric = np.empty(x.size)
+    for k in range(x.size):
+        losses = []
+        for sign in (1, -1):
+            bumped = x.copy().reshape(-1)
+            bumped[k] += sign * step
+            losses.append(loss({**values, name: bumped.reshape(x.shape)}))
+        numeric[k] = (losses[0] - losses[1]) / (2 * step)
+    return numeric
+
+
 def _check_linear_in_ort(spec: Spec) -> None:
     """For an op linear in each trained input: the gradient vs unit-step central differences
     of onnxruntime's own forward (exact up to rounding), every element of each."""
@@ -1357,16 +1372,11 @@ def _check_linear_in_ort(spec: Spec) -> None:
     run = opcases.fdcheck.session(model).run
     weight = opcases.initializer(model, "fdcheck_w_0").astype(np.float64)
     tol = opcases.fdcheck.tolerance_for(spec.dtype)
+    def loss(values):
+        return np.sum(run(["y0"], values)[0].astype(np.float64) * weight)
+
     for name, grad in zip(spec.wrt, grads):
-        x = feeds[name]
-        numeric = np.empty(x.size)
-        for k in range(x.size):
-            ys = []
-            for sign in (1, -1):
-                bumped = x.copy().reshape(-1)
-                bumped[k] += sign
-                ys.append(run(["y0"], {**feeds, name: bumped.reshape(x.shape)})[0].astype(np.float64))
-            numeric[k] = np.sum((ys[0] - ys[1]) * weight) / 2
+        numeric = _central_differences(loss, feeds, name, 1.0)
         np.testing.assert_allclose(grad.reshape(-1), numeric, rtol=tol.rtol, atol=tol.atol,
                                    err_msg=f"{name} of {spec.describe()}")
 
@@ -1527,15 +1537,7 @@ def _numpy_oracle(forward: Forward) -> Callable[[Spec], None]:
 
         step, tol = opcases.fdcheck.FD_EPS, opcases.fdcheck.tolerance_for(spec.dtype)
         for name, grad in zip(spec.wrt, grads):
-            x = values[name]
-            numeric = np.empty(x.size)
-            for k in range(x.size):
-                losses = []
-                for sign in (1, -1):
-                    bumped = x.copy().reshape(-1)
-                    bumped[k] += sign * step
-                    losses.append(loss({**values, name: bumped.reshape(x.shape)}))
-                numeric[k] = (losses[0] - losses[1]) / (2 * step)
+            numeric = _central_differences(loss, values, name, step)
             np.testing.assert_allclose(grad.reshape(-1), numeric, rtol=tol.rtol, atol=tol.atol,
                                        err_msg=f"{name} of {spec.describe()}")
 
@@ -2214,23 +2216,8 @@ def roi_align(draw, op):
 
 def _max_roi_pool(inputs, attrs):
     """onnxruntime's MaxRoiPool (float32 rounding of the RoI corners and bin sizes)."""
-    x, rois = inputs["x"], inputs["rois"]
-    pooled, scale = attrs["pooled_shape"], np.float32(attrs.get("spatial_scale", 1.0))
-    height, width = x.shape[2:]
-    y = np.zeros((len(rois), x.shape[1], *pooled))
-    for r, roi in enumerate(rois):
-        x1, y1, x2, y2 = (int(np.sign(v) * np.floor(abs(v) + 0.5)) for v in roi[1:] * scale)
-        cell_h = np.float32(max(y2 - y1 + 1, 1)) / np.float32(pooled[0])
-        cell_w = np.float32(max(x2 - x1 + 1, 1)) / np.float32(pooled[1])
-        for ph in range(pooled[0]):
-            hs = min(max(int(np.floor(ph * cell_h)) + y1, 0), height)
-            he = min(max(int(np.ceil((ph + 1) * cell_h)) + y1, 0), height)
-            for pw in range(pooled[1]):
-                ws = min(max(int(np.floor(pw * cell_w)) + x1, 0), width)
-                we = min(max(int(np.ceil((pw + 1) * cell_w)) + x1, 0), width)
-                if he > hs and we > ws:
-                    y[r, :, ph, pw] = x[int(roi[0]), :, hs:he, ws:we].reshape(x.shape[1], -1).max(axis=1)
-    return y
+    scale = attrs.get("spatial_scale", 1.0)
+    return max_roi_pool_reference(inputs["x"], inputs["rois"], attrs["pooled_shape"], scale)[0]
 
 
 @other("MaxRoiPool")

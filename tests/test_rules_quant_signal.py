@@ -20,6 +20,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
+from single_op import max_roi_pool_reference
 
 from gradgraph import check
 from gradgraph.api import build_gradient_graph
@@ -545,30 +546,6 @@ def test_roi_align(data):
     assert_fd(model_of(nodes, {"x": (n, c, h, w)}, ["y"], opset=opset, inits=inits), {"x": randn(rng, n, c, h, w)})
 
 
-def _max_roi_pool_reference(x: np.ndarray, rois: np.ndarray, pooled: tuple[int, int], scale: float, dy: np.ndarray):
-    """onnxruntime's MaxRoiPool forward, and its gradient for the output gradient ``dy``."""
-    height, width = x.shape[2:]
-    y, dx = np.zeros((len(rois), x.shape[1], *pooled), np.float32), np.zeros_like(x)
-    for r, roi in enumerate(rois):
-        x1, y1, x2, y2 = (int(np.sign(v) * np.floor(abs(v) + 0.5)) for v in roi[1:] * np.float32(scale))
-        cell_h = np.float32(max(y2 - y1 + 1, 1)) / np.float32(pooled[0])
-        cell_w = np.float32(max(x2 - x1 + 1, 1)) / np.float32(pooled[1])
-        for ph in range(pooled[0]):
-            hs = min(max(int(np.floor(ph * cell_h)) + y1, 0), height)
-            he = min(max(int(np.ceil((ph + 1) * cell_h)) + y1, 0), height)
-            for pw in range(pooled[1]):
-                ws = min(max(int(np.floor(pw * cell_w)) + x1, 0), width)
-                we = min(max(int(np.ceil((pw + 1) * cell_w)) + x1, 0), width)
-                if he <= hs or we <= ws:
-                    continue
-                window = x[int(roi[0]), :, hs:he, ws:we].reshape(x.shape[1], -1)
-                best = window.argmax(axis=1)
-                y[r, :, ph, pw] = window.max(axis=1)
-                for ch, k in enumerate(best):
-                    dx[int(roi[0]), ch, hs + k // (we - ws), ws + k % (we - ws)] += dy[r, ch, ph, pw]
-    return y, dx
-
-
 @SETTINGS
 @given(data=st.data())
 def test_max_roi_pool(data):
@@ -586,7 +563,7 @@ def test_max_roi_pool(data):
     x = randn(rng, n, c, h, w)
     model = with_loss(model, {"x": x})
     dy = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "fdcheck_w_0"))
-    y, dx = _max_roi_pool_reference(x, rois, pooled, scale, dy)
+    y, dx = max_roi_pool_reference(x, rois, pooled, scale, dy)
     np.testing.assert_allclose(run(model, ["y"], {"x": x})[0], y, rtol=1e-6)
     np.testing.assert_allclose(analytic(model, ["x"], {"x": x})["x"], dx, rtol=1e-6, atol=1e-6)
 
