@@ -31,7 +31,6 @@ ops), ``graph_transformer.allow_layer_norm_mod_precision``.
 from __future__ import annotations
 
 import copy
-import difflib
 import math
 import os
 import warnings
@@ -58,6 +57,7 @@ from gradgraph.training.options import (
     TrainingConfig,
 )
 from gradgraph.training.session import MICRO_STEP_KEY, TrainingSession
+from gradgraph.validate import close_matches
 from passes.optimizer.optimizer_pass import UpdateOptions
 
 # gradgraph's optimizer state names -> the reference's state_dict names
@@ -152,11 +152,6 @@ def _get(options: ORTTrainerOptions, path: str) -> Any:
     for part in path.split("."):
         value = getattr(value, part)
     return value
-
-
-def _close(name: str, known: Sequence[str]) -> str:
-    near = difflib.get_close_matches(name, list(known), n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 class ORTTrainer:
@@ -377,7 +372,7 @@ class ORTTrainer:
         for name in names:
             if name not in known:
                 raise ValueError(f"{what}: {name!r} is not a trained weight of the model"
-                                 f"{_close(name, known)}; its weights: {sorted(known)[:8]}"
+                                 f"{close_matches(name, known)}; its weights: {sorted(known)[:8]}"
                                  f"{' ...' if len(known) > 8 else ''}")
 
     def _build(self, model: onnx.ModelProto) -> None:
@@ -448,7 +443,7 @@ class ORTTrainer:
         given = dict(zip(names, args))
         for key, value in kwargs.items():
             if key not in names:
-                raise ValueError(f"input {key!r} is not in model_desc{_close(key, names)}; inputs: {names}")
+                raise ValueError(f"input {key!r} is not in model_desc{close_matches(key, names)}; inputs: {names}")
             if key in given:
                 raise ValueError(f"input {key!r} given twice (by position and by name)")
             given[key] = value

@@ -18,13 +18,13 @@ gradgraph's departures, where the reference's value cannot apply:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
 import onnx
 
 from gradgraph.training.options import CastStrategy
+from gradgraph.validate import close_matches
 
 
 def _opt(kind: str, default: Any, **rules: Any) -> dict[str, Any]:
@@ -198,8 +198,7 @@ def _validate(path: str, schema: dict[str, Any], given: Any) -> dict[str, Any]:
     for key in given:
         if key not in fields:
             where = f"{path}.{key}" if path else str(key)
-            near = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            hint = close_matches(str(key), fields)
             raise ValueError(f"ORTTrainerOptions: unknown option {where!r}{hint}; "
                              f"{path or 'the top level'} has {sorted(fields)}")
     out: dict[str, Any] = {}
