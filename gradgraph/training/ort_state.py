@@ -3,7 +3,9 @@
 A :class:`StateStore` keeps one OrtValue per held tensor on the session's device, plus a
 spare of the same shape for each tensor a graph updates. A :class:`GraphRunner` binds the
 current values as inputs and the spares as the ``X.out`` outputs, runs, then swaps them:
-weights and optimizer state never travel through host memory between steps.
+weights and optimizer state never travel through host memory between steps. Outputs marked
+``gradgraph.valid_if`` (a training graph built with ``UpdateOptions.select_in_graph=False``)
+are swapped in only when their flag output is true: a skipped step keeps the previous values.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import onnxruntime as ort
 
 from gradgraph.feeds import NP_OF_ORT, check_feeds
 from passes.marks import STAGE_KEY, Role
-from passes.optimizer.optimizer_pass import TrainingNames
+from passes.optimizer.optimizer_pass import VALID_IF_KEY, TrainingNames
 from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 
 # onnxruntime optimizers that must not run on training graphs (real dropout must stay).
@@ -133,6 +135,16 @@ class GraphRunner:
                         if names.updated(n) in outputs}
         updated = set(self.updates.values())
         self.fetchable = [n for n in outputs if n not in updated]
+        # Runtime selection (UpdateOptions.select_in_graph=False): the outputs marked valid_if
+        # replace their inputs only when that flag output is true.
+        valid_if = {o.name: p.value for o in model.graph.output for p in o.metadata_props
+                    if p.key == VALID_IF_KEY}
+        flags = sorted(set(valid_if.values()))
+        if len(flags) > 1 or any(f not in self.fetchable for f in flags):
+            raise ValueError(f"graph outputs marked {VALID_IF_KEY!r} must name one bool output of "
+                             f"the graph; got {flags}")
+        self.select_on = flags[0] if flags else None
+        self.conditional = {n for n, out in self.updates.items() if out in valid_if}
 
     def run(self, store: StateStore, feeds: Mapping[str, Any], fetches: Sequence[str]) -> dict[str, np.ndarray]:
         # The session feeds the learning rate and the accumulation reset itself: a user's data
@@ -155,10 +167,16 @@ class GraphRunner:
             binding.bind_cpu_input(name, array)
         for name, out in self.updates.items():
             binding.bind_ortvalue_output(out, store.spare(name))
-        for name in fetches:
+        bound = list(fetches)
+        if self.select_on is not None and self.select_on not in bound:
+            bound.append(self.select_on)
+        for name in bound:
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
         results = binding.get_outputs()[len(self.updates):]
+        out = {name: value.numpy() for name, value in zip(bound, results, strict=True)}
+        taken = self.select_on is None or bool(out[self.select_on])
         for name in self.updates:
-            store.swap(name)
-        return {name: value.numpy() for name, value in zip(fetches, results, strict=True)}
+            if taken or name not in self.conditional:
+                store.swap(name)
+        return {name: out[name] for name in fetches}

@@ -17,6 +17,7 @@ for models without active dropout.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import warnings
@@ -118,6 +119,9 @@ class TrainingSession:
             initial_optimizer_state = parameters.optimizer_initial_state
         else:
             config, initial_optimizer_state = parameters, {}
+        # The session keeps the previous weights and state of a skipped step itself (it does not
+        # swap its buffers), so its graphs leave out the selection (see ort_state.GraphRunner).
+        config = dataclasses.replace(config, update=dataclasses.replace(config.update, select_in_graph=False))
         self.config = config
         self.names = config.names
         self.providers = _provider_names(providers)

@@ -98,5 +98,5 @@ def _adam_hf_update(b: OpBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[s
     return w, {"exp_avg": m, "exp_avg_sq": v}
 
 
-optimizer_rule(AdamConfig)(adam_update)
-optimizer_rule(AdamWConfig)(adam_update)
+optimizer_rule(AdamConfig, fusable="elementwise")(adam_update)
+optimizer_rule(AdamWConfig, fusable="elementwise")(adam_update)

@@ -34,17 +34,39 @@ class OptimizerConfig(Protocol):
 UpdateFn = Callable[..., tuple[Var, dict[str, Var]]]
 _RULES: dict[type, UpdateFn] = {}
 _CONFIGS: dict[str, type] = {}
+_FUSABLE: dict[type, str] = {}
+
+# How a rule may run on several weights at once, concatenated into one flat vector (see
+# ``UpdateOptions.fuse_below``): "elementwise" rules compute each element from the same element
+# of the weight, gradient and state and from scalars; "segments" rules also take the keyword
+# ``segments`` (the element counts of the concatenated tensors, in order) for per-tensor
+# reductions (LAMB's norms). Rules registered without either always run per tensor.
+FUSABLE_KINDS = ("elementwise", "segments")
 
 
-def optimizer_rule(config_type: type[OptimizerConfig]) -> Callable[[UpdateFn], UpdateFn]:
-    """Register ``fn`` as the update rule of ``config_type`` (keyed by type and by its name)."""
+def optimizer_rule(config_type: type[OptimizerConfig],
+                   fusable: str | None = None) -> Callable[[UpdateFn], UpdateFn]:
+    """Register ``fn`` as the update rule of ``config_type`` (keyed by type and by its name);
+    ``fusable``: one of :data:`FUSABLE_KINDS`, or None (the rule runs per tensor)."""
+    if fusable is not None and fusable not in FUSABLE_KINDS:
+        raise ValueError(f"optimizer_rule(fusable=...) must be one of {FUSABLE_KINDS} or None; "
+                         f"got {fusable!r}")
 
     def register(fn: UpdateFn) -> UpdateFn:
         _RULES[config_type] = fn
         _CONFIGS[config_type.name] = config_type
+        if fusable is None:
+            _FUSABLE.pop(config_type, None)
+        else:
+            _FUSABLE[config_type] = fusable
         return fn
 
     return register
+
+
+def fusable_kind(config: Any) -> str | None:
+    """How the rule of ``config`` may run on concatenated weights (see :data:`FUSABLE_KINDS`)."""
+    return _FUSABLE.get(type(config))
 
 
 def rule_for(config: Any) -> UpdateFn:
@@ -167,3 +189,25 @@ class StepScalars:
     def cast(self, value: Var, dtype: ir.DataType) -> Var:
         """``value`` (a float64 scalar) in ``dtype``, cast once."""
         return self._cached(("cast", id(value), dtype), lambda: self.b.Cast(value, to=int(dtype)))
+
+
+# ---- several weights as one flat vector (fused updates) -----------------------------------------
+def flatten_join(b: OpBuilder, parts: list[Var]) -> Var:
+    """The tensors ``parts`` flattened and concatenated, in order, into one 1-D vector."""
+    minus_one = b.const(np.array([-1], np.int64))
+    flat = [b.Reshape(p, minus_one) for p in parts]
+    return flat[0] if len(flat) == 1 else b.Concat(*flat, axis=0)
+
+
+def split_flat(b: OpBuilder, flat: Var, sizes: tuple[int, ...]) -> list[Var]:
+    """The 1-D ``flat`` cut into consecutive pieces of ``sizes`` elements (1-D each)."""
+    if len(sizes) == 1:
+        return [flat]
+    if b.opset >= 13:
+        parts = b.op("Split", flat, b.const(np.array(sizes, np.int64)), axis=0, _outputs=len(sizes))
+    else:
+        parts = b.op("Split", flat, axis=0, split=list(sizes), _outputs=len(sizes))
+    for part, n in zip(parts, sizes):
+        part.value.type = flat.value.type
+        part.value.shape = ir.Shape([n])
+    return list(parts)

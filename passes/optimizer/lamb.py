@@ -19,9 +19,11 @@ import dataclasses
 import math
 from typing import ClassVar
 
+import numpy as np
+
 from passes.autodiff.builder import OpBuilder, Var
 from passes.autodiff.errors import GradientError
-from passes.optimizer.base import StepScalars, check_number, optimizer_rule
+from passes.optimizer.base import StepScalars, check_number, optimizer_rule, split_flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +56,26 @@ def _norm(b: OpBuilder, x: Var) -> Var:
     return b.Sqrt(b.reduce("ReduceSumSquare", x, None, keepdims=0))
 
 
-@optimizer_rule(LambConfig)
+def _segment_norms(b: OpBuilder, x: Var, segments: tuple[int, ...]) -> Var:
+    """The L2 norm of each segment of the flat ``x``, as a vector of ``len(segments)``."""
+    parts = split_flat(b, x, segments)
+    squares = [b.reduce("ReduceSumSquare", p, None, keepdims=1) for p in parts]
+    return b.Sqrt(squares[0] if len(squares) == 1 else b.Concat(*squares, axis=0))
+
+
+def _per_element(b: OpBuilder, values: Var, segments: tuple[int, ...]) -> Var:
+    """The vector ``values`` (one per segment) repeated over each segment's elements."""
+    parts = split_flat(b, values, (1,) * len(segments))
+    expanded = [b.Expand(p, b.const(np.array([n], np.int64))) for p, n in zip(parts, segments)]
+    return expanded[0] if len(expanded) == 1 else b.Concat(*expanded, axis=0)
+
+
+@optimizer_rule(LambConfig, fusable="segments")
 def lamb_update(b: OpBuilder, cfg: LambConfig, w: Var, g: Var, state: dict[str, Var],
-                sc: StepScalars, lr_scale: float) -> tuple[Var, dict[str, Var]]:
+                sc: StepScalars, lr_scale: float,
+                segments: tuple[int, ...] | None = None) -> tuple[Var, dict[str, Var]]:
+    """``segments``: ``w`` is several weights concatenated (their element counts); each gets
+    its own trust ratio, as when updated alone."""
     dt = w.known_dtype
     m = state["exp_avg"] * cfg.beta1 + g * (1.0 - cfg.beta1)
     v = state["exp_avg_sq"] * cfg.beta2 + g * g * (1.0 - cfg.beta2)
@@ -67,7 +86,10 @@ def lamb_update(b: OpBuilder, cfg: LambConfig, w: Var, g: Var, state: dict[str, 
     u = m_hat / (b.Sqrt(v_hat) + cfg.eps)
     if cfg.weight_decay:
         u = u + w * cfg.weight_decay
-    w_norm, u_norm = _norm(b, w), _norm(b, u)
+    if segments is None:
+        w_norm, u_norm = _norm(b, w), _norm(b, u)
+    else:
+        w_norm, u_norm = _segment_norms(b, w, segments), _segment_norms(b, u, segments)
     zero = b.const(0.0, dt)
     both = b.And(b.Greater(w_norm, zero), b.Greater(u_norm, zero))
     ratio = b.Where(both, w_norm / u_norm, b.const(1.0, dt))
@@ -75,5 +97,7 @@ def lamb_update(b: OpBuilder, cfg: LambConfig, w: Var, g: Var, state: dict[str, 
         ratio = b.Max(ratio, b.const(cfg.ratio_min, dt))
     if math.isfinite(cfg.ratio_max):
         ratio = b.Min(ratio, b.const(cfg.ratio_max, dt))
+    if segments is not None:
+        ratio = _per_element(b, ratio, segments)
     lr = sc.cast(sc.lr64(lr_scale), dt)
     return w - lr * ratio * u, {"exp_avg": m, "exp_avg_sq": v}

@@ -38,6 +38,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
@@ -45,10 +46,20 @@ from passes.autodiff.builder import OpBuilder, Var
 from passes.autodiff.errors import GradientError
 from passes.marks import OUTPUT_KEY, STAGE_KEY, OutputRole, Role
 from passes.optimizer import ParamGroup, StepScalars, resolve, rule_for
-from passes.optimizer.base import check_count, check_number, is_number
+from passes.optimizer.base import (
+    check_count,
+    check_number,
+    flatten_join,
+    fusable_kind,
+    is_number,
+    split_flat,
+)
 
 # Graph metadata: the graph has its optimizer part ("apply") or accumulation part ("accumulate").
 OPTIMIZER_KEY = "gradgraph.optimizer"
+# Output metadata (``UpdateOptions.select_in_graph=False``): this ``X.out`` holds the next value
+# of ``X`` only when the bool output named here is true; otherwise ``X`` keeps its value.
+VALID_IF_KEY = "gradgraph.valid_if"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +136,18 @@ class UpdateOptions:
     # Gradients arrive scaled by the ``loss_scale`` input (mixed precision): unscale, update it.
     loss_scale: LossScaleSettings | None = None
     names: TrainingNames = TrainingNames()
+    # Where a skipped step keeps the previous values. True: in the graph (``Where(finite, new,
+    # old)`` on every updated value; the graph is self-contained). False: by whoever runs the
+    # graph: each conditional ``X.out`` is marked ``gradgraph.valid_if = <flag output>`` and the
+    # runtime keeps ``X`` when the flag is false (TrainingSession does: it does not swap its
+    # buffers), which saves the selection's passes over every weight and state.
+    select_in_graph: bool = True
+    # Weights with fewer elements than this that share an optimizer config, learning-rate scale
+    # and dtype are updated together: their gradients, weights and state concatenated into one
+    # flat vector per group, the update rule run once on it, the results cut back (Split). Many
+    # small tensors (biases, norms) then cost a few large ops instead of a dozen small ones each.
+    # 0: every weight alone. Rules registered without ``fusable`` always run per tensor.
+    fuse_below: int = 65536
 
     def __post_init__(self) -> None:
         check_count(self, "accumulation_steps", self.accumulation_steps,
@@ -134,6 +157,9 @@ class UpdateOptions:
             raise GradientError(f"UpdateOptions.max_grad_norm must be a finite number > 0, or None "
                                 f"for no clipping; got {clip!r}")
         check_number(self, "clip_eps", self.clip_eps, low=0.0)
+        if isinstance(self.fuse_below, bool) or not isinstance(self.fuse_below, int) or self.fuse_below < 0:
+            raise GradientError(f"UpdateOptions.fuse_below must be an integer >= 0 (0: no fused "
+                                f"updates); got {self.fuse_below!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +215,8 @@ class OptimizerPass(InPlacePass):
             return b.wrap(value)
 
         def add_output(var: Var, name: str, like: ir.Value | None = None,
-                       scalar: ir.DataType = ir.DataType.FLOAT, role: OutputRole | None = None) -> None:
+                       scalar: ir.DataType = ir.DataType.FLOAT, role: OutputRole | None = None,
+                       valid_if: str | None = None) -> None:
             value = var.value
             owned = b.owns(value)
             if not owned or value.is_graph_input() or value.is_graph_output():
@@ -201,6 +228,8 @@ class OptimizerPass(InPlacePass):
                 value.type, value.shape = ir.TensorType(scalar), ir.Shape([])
             if role is not None:
                 value.metadata_props[OUTPUT_KEY] = role.value
+            if valid_if is not None:
+                value.metadata_props[VALID_IF_KEY] = valid_if
             outputs.append(value)
 
         if s.accumulation_steps > 1:
@@ -213,47 +242,74 @@ class OptimizerPass(InPlacePass):
                 else:
                     grads[w] = grads[w] * (1.0 / s.accumulation_steps)
         if self.apply:
-            scaler = None
-            if s.loss_scale is not None:
-                scaler = self._unscale(b, graph, grads, add_input, add_output)
-            if s.max_grad_norm is not None:
-                self._clip(b, grads, add_output)
-            lr = add_input(names.learning_rate, None, ir.DataType.FLOAT)
-            step = add_input(names.step, None, ir.DataType.INT64)
-            sc = StepScalars(b, lr, step)
-            updates: list[tuple[Var, Var, str, ir.Value]] = []  # (new, old, output name, like)
-            for w in weights:
-                cfg, lr_scale = resolve(self.settings.optimizer, s.groups, w)
-                state = {k: add_input(names.state(w, k), inputs[w]) for k in cfg.state_names()}
-                new_w, new_state = rule_for(cfg)(b, cfg, b.wrap(inputs[w]), grads[w], state, sc,
-                                                 lr_scale)
-                updates.append((new_w, b.wrap(inputs[w]), names.out(w), inputs[w]))
-                for k, v in new_state.items():
-                    updates.append((v, state[k], names.out(names.state(w, k)), inputs[w]))
-            updates.append((b.Add(step, 1), step, names.out(names.step), step.value))
-            if s.skip_non_finite:
-                checked = [new for new, _, _, _ in updates[:-1]]
-                if self.loss is not None:
-                    checked.append(b.wrap(self.loss))
-                finite = _all_finite(b, checked)
-                if scaler is not None:
-                    finite = b.And(finite, scaler)
-                updates = [(b.Where(finite, new, old), old, name, like)
-                           for new, old, name, like in updates]
-                add_output(finite, names.finite, None, ir.DataType.BOOL, OutputRole.STEP_FINITE)
-            elif scaler is not None:
-                updates = [(b.Where(scaler, new, old), old, name, like)
-                           for new, old, name, like in updates]
-            for new, _, name, like in updates:
-                add_output(new, name, like)
-            if scaler is not None:
-                self._update_scale(b, scaler, add_output)
+            self._apply(b, graph, inputs, weights, grads, add_input, add_output)
         _uniquify(graph, b.nodes)
         graph.extend(b.nodes)
         graph.outputs.extend(outputs)
         return PassResult(model, True)
 
-    def _unscale(self, b: OpBuilder, graph: ir.Graph, grads: dict[str, Var], add_input: Any,
+    def _apply(self, b: OpBuilder, graph: ir.Graph, inputs: Mapping[Any, ir.Value], weights: list[str],
+               grads: dict[str, Var], add_input: Any, add_output: Any) -> None:
+        """Unscale, clip, update every weight (fused where it can), skip a non-finite step."""
+        s = self.settings.update
+        names = s.names
+        units = _units(self.settings, weights, inputs)
+        # One gradient per unit: a fused unit's gradients concatenated.
+        unit_grads = {i: flatten_join(b, [grads[w] for w in u.weights]) if u.fused else grads[u.weights[0]]
+                      for i, u in enumerate(units)}
+        scaler = None
+        if s.loss_scale is not None:
+            scaler = self._unscale(b, graph, unit_grads, add_input, add_output)
+        if s.max_grad_norm is not None:
+            self._clip(b, unit_grads, add_output)
+        lr = add_input(names.learning_rate, None, ir.DataType.FLOAT)
+        step = add_input(names.step, None, ir.DataType.INT64)
+        sc = StepScalars(b, lr, step)
+        updates: list[_Update] = []
+        for i, unit in enumerate(units):
+            cfg = unit.config
+            state_in = {k: [add_input(names.state(w, k), inputs[w]) for w in unit.weights]
+                        for k in cfg.state_names()}
+            old_w = [b.wrap(inputs[w]) for w in unit.weights]
+            if unit.fused:
+                w_var = flatten_join(b, old_w)
+                state = {k: flatten_join(b, vs) for k, vs in state_in.items()}
+            else:
+                w_var, state = old_w[0], {k: vs[0] for k, vs in state_in.items()}
+            extra = {"segments": unit.sizes} if unit.fused and fusable_kind(cfg) == "segments" else {}
+            new_w, new_state = rule_for(cfg)(b, cfg, w_var, unit_grads[i], state, sc, unit.lr_scale, **extra)
+            updates.append(_Update(new_w, w_var, [(names.out(w), inputs[w]) for w in unit.weights], unit))
+            for k, v in new_state.items():
+                old = state[k]
+                updates.append(_Update(v, old, [(names.out(names.state(w, k)), inputs[w])
+                                                 for w in unit.weights], unit))
+        counter = _Update(b.Add(step, 1), step, [(names.out(names.step), step.value)], None)
+        flag = None  # the output that says whether the step is taken
+        if s.skip_non_finite:
+            checked = [u.new for u in updates]
+            if self.loss is not None:
+                checked.append(b.wrap(self.loss))
+            finite = _all_finite(b, checked)
+            if scaler is not None:
+                finite = b.And(finite, scaler)
+            add_output(finite, names.finite, None, ir.DataType.BOOL, OutputRole.STEP_FINITE)
+            flag = (finite, names.finite)
+        elif scaler is not None:
+            flag = (scaler, names.gradients_finite)
+        updates.append(counter)
+        for u in updates:
+            new, valid_if = u.new, None
+            if flag is not None and s.select_in_graph:
+                new = b.Where(flag[0], u.new, u.old)
+            elif flag is not None:
+                valid_if = flag[1]
+            parts = [new] if u.unit is None or not u.unit.fused else u.unit.split(b, new)
+            for part, (name, like) in zip(parts, u.outputs, strict=True):
+                add_output(part, name, like, valid_if=valid_if)
+        if scaler is not None:
+            self._update_scale(b, scaler, add_output)
+
+    def _unscale(self, b: OpBuilder, graph: ir.Graph, grads: dict[Any, Var], add_input: Any,
                  add_output: Any) -> Var:
         """Divide the gradients by the ``loss_scale`` input; returns ``all_gradients_finite``."""
         names = self.settings.update.names
@@ -289,7 +345,7 @@ class OptimizerPass(InPlacePass):
         add_output(new_scale, names.out(names.loss_scale), None, f32)
         add_output(stable, names.out(names.stable_steps), None, ir.DataType.INT64)
 
-    def _clip(self, b: OpBuilder, grads: dict[str, Var], add_output: Any) -> None:
+    def _clip(self, b: OpBuilder, grads: dict[Any, Var], add_output: Any) -> None:
         s = self.settings.update
         f32 = ir.DataType.FLOAT
         squares = [b.cast_to(b.reduce("ReduceSumSquare", g, None, keepdims=0), f32)
@@ -304,12 +360,75 @@ class OptimizerPass(InPlacePass):
 def _all_finite(b: OpBuilder, values: list[Var]) -> Var:
     """Bool scalar: every element of every value is finite.
 
-    ``x * 0`` is 0 for finite x and NaN for NaN/inf, so the sum of those products is 0 or NaN
-    (no overflow, unlike summing the values themselves).
+    float32/float64 values: the sum of each value is NaN or inf exactly when one of its elements
+    is, or when the sum of finite elements overflows (|sum| > 3.4e38 in float32: counted as not
+    finite). One read of each value. Other types (float16's range is easily exceeded by a sum):
+    ``x * 0`` is 0 for finite x and NaN for NaN/inf, so the sum of those products is 0 or NaN.
     """
     f32 = ir.DataType.FLOAT
-    zeros = [b.cast_to(b.reduce("ReduceSum", v * 0.0, None, keepdims=0), f32) for v in values]
-    return b.Not(b.IsNaN(zeros[0] if len(zeros) == 1 else b.Sum(*zeros)))
+    sums = []
+    for v in values:
+        if v.known_dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
+            sums.append(b.cast_to(b.reduce("ReduceSum", v, None, keepdims=0), f32))
+        else:
+            sums.append(b.cast_to(b.reduce("ReduceSum", v * 0.0, None, keepdims=0), f32))
+    total = sums[0] if len(sums) == 1 else b.Sum(*sums)
+    return b.Not(b.IsNaN(total * 0.0))
+
+
+@dataclasses.dataclass
+class _Unit:
+    """Weights updated together: one (``fused=False``) or several concatenated."""
+
+    weights: list[str]
+    config: Any
+    lr_scale: float
+    sizes: tuple[int, ...]
+    shapes: list[list[int]]
+    _splits: dict[int, list[Var]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def fused(self) -> bool:
+        return len(self.weights) > 1
+
+    def split(self, b: OpBuilder, flat: Var) -> list[Var]:
+        """``flat`` (this unit's concatenation) cut back into tensors of the weights' shapes."""
+        parts = split_flat(b, flat, self.sizes)
+        return [b.Reshape(p, b.const(np.array(shape, np.int64))) for p, shape in zip(parts, self.shapes)]
+
+
+@dataclasses.dataclass
+class _Update:
+    new: Var
+    old: Var
+    outputs: list[tuple[str, ir.Value]]  # (output name, the value it is shaped like)
+    unit: _Unit | None
+
+
+def _units(settings: OptimizerSettings, weights: list[str], inputs: Mapping[Any, ir.Value]) -> list[_Unit]:
+    """The weights grouped for the update: those below ``fuse_below`` elements, of a fusable
+    rule and static shape, with the same config, lr scale and dtype, share one unit."""
+    limit = settings.update.fuse_below
+    units: list[_Unit] = []
+    groups: dict[tuple[Any, ...], _Unit] = {}
+    for w in weights:
+        cfg, lr_scale = resolve(settings.optimizer, settings.update.groups, w)
+        value = inputs[w]
+        static = value.shape is not None and all(isinstance(d, int) for d in value.shape)
+        dims = [d for d in value.shape if isinstance(d, int)] if static and value.shape is not None else []
+        size = int(np.prod(dims)) if static else 0
+        if static and fusable_kind(cfg) is not None and 0 < size < limit:
+            key = (cfg, lr_scale, value.dtype)
+            unit = groups.get(key)
+            if unit is None:
+                unit = groups[key] = _Unit([], cfg, lr_scale, (), [])
+                units.append(unit)
+            unit.weights.append(w)
+            unit.sizes += (size,)
+            unit.shapes.append(dims)
+            continue
+        units.append(_Unit([w], cfg, lr_scale, (size,), [dims]))
+    return units
 
 
 def _uniquify(graph: ir.Graph, nodes: list[ir.Node]) -> None:

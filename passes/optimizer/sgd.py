@@ -38,7 +38,7 @@ class SGDConfig:
         return ("momentum_buffer",) if self.momentum else ()
 
 
-@optimizer_rule(SGDConfig)
+@optimizer_rule(SGDConfig, fusable="elementwise")
 def sgd_update(b: OpBuilder, cfg: SGDConfig, w: Var, g: Var, state: dict[str, Var],
                sc: StepScalars, lr_scale: float) -> tuple[Var, dict[str, Var]]:
     d = g + w * cfg.weight_decay if cfg.weight_decay else g
