@@ -174,9 +174,9 @@ class GraphRunner:
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
         results = binding.get_outputs()[len(self.updates):]
-        out = {name: value.numpy() for name, value in zip(bound, results, strict=True)}
-        taken = self.select_on is None or bool(out[self.select_on])
+        arrays = {name: value.numpy() for name, value in zip(bound, results, strict=True)}
+        taken = self.select_on is None or bool(arrays[self.select_on])
         for name in self.updates:
             if taken or name not in self.conditional:
                 store.swap(name)
-        return {name: out[name] for name in fetches}
+        return {name: arrays[name] for name in fetches}
