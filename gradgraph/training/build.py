@@ -11,7 +11,8 @@ model savable; see :mod:`gradgraph.pipeline`):
    outputs of weights not trained are dropped;
 4. ``recompute``: recompute under the configured patterns / memory budget; saved at
    ``model_with_gradient_graph_path``;
-5. ``training``: held tensors become inputs, the optimizer is added; saved at
+5. ``training``: held tensors become inputs, the optimizer is added, ops onnxruntime runs
+   slowly are written in their fast equivalent form (:mod:`passes.kernels`); saved at
    ``model_with_training_graph_path``. onnxruntime's own optimized graph is the session's
    fifth file (``model_with_training_graph_after_optimization_path``).
 
@@ -55,6 +56,7 @@ from passes.forward.expose_running_stats import ExposeRunningStatsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
 from passes.forward.reduce_loss import ReduceLossPass
+from passes.kernels import SplitSoftmaxCrossEntropyPass
 from passes.marks import HELD_KEY, gradient_outputs
 from passes.optimizer import resolve
 from passes.optimizer.loss_scale import LossScalePass
@@ -229,7 +231,8 @@ def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
 
 def training_stage(config: TrainingConfig, apply: bool) -> Stage:
     """Held tensors become inputs; the optimizer (``apply``) or only accumulation is added."""
-    passes = [ParamsToInputsPass(), _OptimizerFromIR(config, apply), FinishPass()]
+    passes = [ParamsToInputsPass(), _OptimizerFromIR(config, apply), SplitSoftmaxCrossEntropyPass(),
+              FinishPass()]
     if apply:
         return Stage("training", passes, config.debug.graph_save_paths.model_with_training_graph_path)
     return Stage("accumulate", passes)
@@ -339,7 +342,8 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
         accumulate = None
         if config.update.accumulation_steps > 1:
             accumulate = variant(training_stage(config, apply=False), len(stages) + 1)
-        eval_stage = Stage("eval", [EvalModePass(), ParamsToInputsPass(params), FinishPass()])
+        eval_stage = Stage("eval", [EvalModePass(), ParamsToInputsPass(params),
+                                    SplitSoftmaxCrossEntropyPass(), FinishPass()])
         eval_run = Pipeline([eval_stage])
         eval_model = ir.to_proto(eval_run.run(ir.from_proto(kept["graph_transforms"]), save_dir=folder,
                                               first_index=len(stages) + 2))

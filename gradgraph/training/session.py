@@ -39,7 +39,12 @@ from gradgraph.training.build import (
 )
 from gradgraph.training.checkpoint import CheckpointError, read_checkpoints, write_checkpoint
 from gradgraph.training.distributed import DataParallelRunner, DistributedConfig
-from gradgraph.training.ort_state import GraphRunner, StateStore, copy_session_options
+from gradgraph.training.ort_state import (
+    GraphRunner,
+    StateStore,
+    copy_session_options,
+    release_free_memory,
+)
 from gradgraph.training.parameters import TrainingParameters
 from passes.autodiff import GradientError
 
@@ -152,6 +157,10 @@ class TrainingSession:
         self._dp: DataParallelRunner | None = None
         if distributed is not None and distributed.active:
             self._dp = DataParallelRunner(self, distributed, sess_options, provider_options)
+        # The gradient-stage model (with a copy of the weights) served the graph variants above;
+        # what the build freed goes back to the system before the steps' arena grows.
+        self.artifacts = dataclasses.replace(self.artifacts, gradient=None)
+        release_free_memory()
 
     # ---- state --------------------------------------------------------------------------
     def _init_state(self) -> None:
