@@ -9,9 +9,12 @@ Each model runs in its own child process: the training session is built, --warmu
 then --steps steps run with onnxruntime's profiler on. Printed per model:
 
 * the memory timeline of the child (resident MB after imports, after the build, after the first
-  step, and the peak), so a change that lowers the peak can say where it did;
+  step, and the peak before the profiled session is made), so a change that lowers the peak
+  can say where it did;
 * the total kernel time per step and the share of the forward, backward and optimizer nodes (by
-  the node marks gradgraph puts on every node it adds; the exporter's nodes are the forward);
+  the node marks gradgraph puts on every node it adds; the exporter's nodes are the forward;
+  a node onnxruntime fused counts in the stage of the node it is named after), with each
+  stage's top five op types;
 * the top --top op types by kernel time per step: milliseconds, share, node count.
 
 --keep DIR keeps onnxruntime's profile files and the training graph there.
@@ -36,7 +39,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _stage_of(node_name: str, stages: dict[str, str]) -> str:
-    return stages.get(node_name, "forward")
+    """The stage mark of the graph node that ``node_name`` (onnxruntime's) came from: onnxruntime
+    names a fused node after the first node it fused, plus ``/<Fusion>/`` suffixes."""
+    name = node_name
+    while name:
+        if name in stages:
+            return stages[name]
+        name = name.rstrip("/")
+        if "/" not in name:
+            break
+        name = name.rsplit("/", 1)[0]
+    return "forward"
 
 
 def child_profile(name: str, out_dir: str, args) -> dict:
@@ -64,6 +77,7 @@ def child_profile(name: str, out_dir: str, args) -> dict:
     memory["after_first_step"] = rss_mb()
     for _ in range(args.warmup):
         session.train_step(feeds, lr=bench_training.LR)
+    memory["peak"] = rss_mb("VmHWM")
     # A second session over the same training graph, profiled (the first stays unprofiled so the
     # timeline above is the plain session's).
     model = session.artifacts.train
@@ -82,6 +96,7 @@ def child_profile(name: str, out_dir: str, args) -> dict:
     steps_profiled = args.steps + args.warmup  # onnxruntime profiles every run of the session
     by_type: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     by_stage: dict[str, float] = collections.Counter()
+    by_stage_op: dict[str, float] = collections.Counter()
     nodes_seen: dict[str, set[str]] = collections.defaultdict(set)
     for file in files:
         with open(file) as f:
@@ -93,7 +108,9 @@ def child_profile(name: str, out_dir: str, args) -> dict:
             op = ev.get("args", {}).get("op_name", "?")
             by_type[op][0] += ev["dur"] / 1e3
             nodes_seen[op].add(node)
-            by_stage[_stage_of(node, stages)] += ev["dur"] / 1e3
+            stage = _stage_of(node, stages)
+            by_stage[stage] += ev["dur"] / 1e3
+            by_stage_op[f"{stage}:{op}"] += ev["dur"] / 1e3
     total = sum(v[0] for v in by_type.values())
     per_step = {op: (ms / steps_profiled, len(nodes_seen[op])) for op, (ms, _) in by_type.items()}
     if args.keep:
@@ -104,7 +121,8 @@ def child_profile(name: str, out_dir: str, args) -> dict:
             os.replace(file, os.path.join(args.keep, os.path.basename(file)))
     return {"ok": True, "build_s": build_s, "memory_mb": memory, "wall_ms": wall_ms,
             "kernel_ms": total / steps_profiled, "by_stage_ms": {k: v / steps_profiled for k, v in by_stage.items()},
-            "by_type": per_step, "nodes": len(model.graph.node), "onnxruntime": ort.__version__}
+            "by_type": per_step,
+            "by_stage_op_ms": {k: v / steps_profiled for k, v in by_stage_op.items()}, "nodes": len(model.graph.node), "onnxruntime": ort.__version__}
 
 
 def _report(name: str, rec: dict, top: int) -> None:
@@ -113,11 +131,16 @@ def _report(name: str, rec: dict, top: int) -> None:
           f"profiled step {rec['wall_ms']:.1f} ms wall, {rec['kernel_ms']:.1f} ms in kernels")
     print()
     print("Resident MB: after imports {:.0f}, after build {:.0f}, after the first step {:.0f}, peak {:.0f}"
-          .format(mem["after_imports"], mem["after_build"], mem["after_first_step"], rec["peak_rss_mb"]))
+          .format(mem["after_imports"], mem["after_build"], mem["after_first_step"], mem["peak"]))
     print()
     stages = rec["by_stage_ms"]
     print("Kernel time by stage: " + ", ".join(
         f"{k} {v:.1f} ms ({100 * v / rec['kernel_ms']:.0f}%)" for k, v in sorted(stages.items(), key=lambda kv: -kv[1])))
+    print()
+    for stage in sorted(stages, key=lambda k: -stages[k]):
+        top_ops = sorted(((k.split(":", 1)[1], v) for k, v in rec["by_stage_op_ms"].items()
+                          if k.split(":", 1)[0] == stage), key=lambda kv: -kv[1])[:5]
+        print(f"- {stage}: " + ", ".join(f"{op} {ms:.1f}" for op, ms in top_ops))
     print()
     print("| op type | ms / step | share | nodes |")
     print("|---|---|---|---|")
