@@ -69,3 +69,26 @@ def test_output_names_select_outputs_and_bad_names_are_errors():
         TorchOrtFactory(_model(), "zeta_w1")  # a string where a list belongs
     with pytest.raises(TypeError, match="takes 2 tensors"):
         cls.apply(torch.ones(5, 4))
+
+
+def test_run_options_reach_every_run_and_device_index_is_checked():
+    import onnxruntime as ort
+
+    stop = ort.RunOptions()
+    stop.terminate = True  # onnxruntime refuses a run whose options say terminate
+    cls = TorchOrtFactory(_model(), ["zeta_w1"], run_options=stop).create_class()
+    assert cls._run_options is stop
+    with pytest.raises(Exception, match="terminate"):
+        cls.apply(torch.ones(5, 4), torch.tensor(W1, requires_grad=True))
+    stop.terminate = False  # the same object, read at each run
+    y, _ = cls.apply(torch.ones(5, 4), torch.tensor(W1, requires_grad=True))
+    assert tuple(y.shape) == (5, 3)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="device_index"):
+            TorchOrtFactory(_model(), ["zeta_w1"], device_index=bad)
+    with pytest.raises(TypeError, match="run_options"):
+        TorchOrtFactory(_model(), ["zeta_w1"], run_options={"terminate": True})
+    gpu = TorchOrtFactory(_model(), ["zeta_w1"], providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                          device_index=1)
+    assert gpu._provider_options() == [{"device_id": "1"}, {}]
+    assert TorchOrtFactory(_model(), ["zeta_w1"])._provider_options() is None

@@ -48,6 +48,9 @@ class TorchOrtFunction(torch.autograd.Function):
         return tuple(_to_torch(v) for v in ort_values)
 
 
+GPU_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider")
+
+
 class TorchOrtFactory:
     def __init__(self, onnx_model: onnx.ModelProto | str | os.PathLike | bytes,
                  weights_to_train: Sequence[str], input_names: Sequence[str] | None = None,
@@ -83,17 +86,33 @@ class TorchOrtFactory:
         self.sess_options = sess_options
         self.providers = list(providers) if providers else ["CPUExecutionProvider"]
         self.provider_options = provider_options
+        if run_options is not None and not isinstance(run_options, ort.RunOptions):
+            raise TypeError(f"TorchOrtFactory: run_options must be an onnxruntime.RunOptions, "
+                            f"not {type(run_options).__name__}")
+        if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
+            raise ValueError(f"TorchOrtFactory: device_index must be an integer >= 0 (the CUDA "
+                             f"device); got {device_index!r}")
         self.run_options = run_options
+        # The device of GPU providers given without provider options (CPU ignores it).
         self.device_index = device_index
 
     def __repr__(self) -> str:
         return (f"TorchOrtFactory(weights_to_train={self.weights_to_train!r}, input_names="
                 f"{self.input_names!r}, output_names={self.output_names!r}, class_name={self.class_name!r})")
 
+    def _provider_options(self) -> Sequence[dict] | None:
+        """The given provider options, else ``device_id = device_index`` for GPU providers."""
+        if self.provider_options is not None:
+            return self.provider_options
+        names = [p if isinstance(p, str) else p[0] for p in self.providers]
+        if not any(n in GPU_PROVIDERS for n in names):
+            return None
+        return [{"device_id": str(self.device_index)} if n in GPU_PROVIDERS else {} for n in names]
+
     def _session(self, model: ir.Model) -> ort.InferenceSession:
         opts = self.sess_options or ort.SessionOptions()
         return ort.InferenceSession(ir.to_proto(model).SerializeToString(), opts, providers=self.providers,
-                                    provider_options=self.provider_options,
+                                    provider_options=self._provider_options(),
                                     disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
 
     def create_class(self, enable_logging: bool = False, keep_models: bool = False,
@@ -113,7 +132,7 @@ class TorchOrtFactory:
                                for v in model.graph.inputs)]
         pre_grad = ir.to_proto(model) if keep_models else None
         runner = GraphRunner(model, feed_names, float_inputs + self.weights_to_train, self.output_names,
-                             training=True, make_session=self._session)
+                             training=True, make_session=self._session, run_options=self.run_options)
         if enable_logging:
             logger.info("TorchOrtFactory: %s built; forward outputs %d, backward inputs %d",
                         self.class_name, len(runner.fwd_outputs), len(runner.bwd_inputs))
