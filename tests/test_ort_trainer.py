@@ -197,6 +197,35 @@ def test_sgd_with_a_scheduler_and_frozen_weights_trains_like_torch():
                                   _mlp()[0].weight.detach().numpy())
 
 
+def test_batch_norm_running_statistics_follow_torch():
+    """A train-mode BatchNorm: batch statistics in the forward, and running mean and (unbiased,
+    as torch's) running variance after each step equal to torch's, with two batch sizes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16, momentum=0.3),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    trainer = _trainer(optim.SGDConfig(lr=0.1), model=model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in _batches(4):
+        loss = trainer.train_step(x, y)[0]
+        opt.zero_grad()
+        ref_loss = torch.nn.functional.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        opt.step()
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    mine = trainer.state_dict(pytorch_format=True)
+    for name, value in ref.state_dict().items():  # running_mean and running_var included
+        if name.endswith("num_batches_tracked"):  # not a graph tensor
+            continue
+        np.testing.assert_allclose(mine[name].numpy(), value.numpy(), rtol=RTOL, atol=1e-7, err_msg=name)
+    assert float(ref[1].running_var.max()) != pytest.approx(1.0)  # the statistics moved
+    # eval: the running statistics, not the batch's
+    trainer_eval = trainer.eval_step(x, y)
+    ref.eval()
+    np.testing.assert_allclose(float(trainer_eval[0]), float(torch.nn.functional.cross_entropy(ref(x), y)),
+                               rtol=RTOL)
+
+
 @pytest.mark.parametrize("make,formula", [
     (lambda: optim.ConstantWarmupLRScheduler(100, warmup=0.1), lambda s: min(s / 10, 1.0)),
     (lambda: optim.CosineWarmupLRScheduler(100, warmup=0.1),

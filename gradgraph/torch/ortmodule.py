@@ -216,18 +216,6 @@ class _Engine:
             ir.save(model, f"{debug.onnx_prefix}_exported.onnx")
         graph_outputs = {o.name for o in model.graph.outputs}
         self.stat_outputs = {n: f"{n}.out" for n in exported.buffers if f"{n}.out" in graph_outputs}
-        self.var_stats: dict[str, tuple[int, float]] = {}
-        for node in model.graph:
-            if node.op_type != "BatchNormalization" or len(node.inputs) < 5 or node.inputs[4] is None:
-                continue
-            x, var = node.inputs[0], node.inputs[4]
-            mode = node.attributes.get("training_mode")
-            if var.name in self.stat_outputs and mode is not None and mode.as_int() and x is not None \
-                    and x.shape is not None and all(isinstance(d, int) for d in x.shape) and len(x.shape) >= 2:
-                momentum = node.attributes.get("momentum")
-                dims = [int(d) for d in x.shape if isinstance(d, int)]
-                count = int(np.prod(dims)) // dims[1]
-                self.var_stats[var.name] = (count, momentum.as_float() if momentum is not None else 0.9)
         self.batch_norms = train_norms if self.stat_outputs else []
         self.input_names = list(exported.input_names)
         grad_weights = [n for n, path in exported.parameters.items() if named[path].requires_grad]
@@ -247,14 +235,9 @@ class _Engine:
         with torch.no_grad():
             for onnx_name, out in self.stat_outputs.items():
                 buffer = self._named[self.weights[onnx_name]]
-                new = _to_torch(outputs[out])
-                if onnx_name in self.var_stats:
-                    # ONNX updates the running variance with the biased batch variance, torch
-                    # with the unbiased one: rescale the batch part by n / (n - 1)
-                    count, momentum = self.var_stats[onnx_name]
-                    kept = momentum * buffer
-                    new = kept + (new - kept) * (count / max(count - 1, 1))
-                buffer.copy_(new)
+                # torch's unbiased running variance: computed in the graph (TorchConventionsPass
+                # marks torch's BatchNorms, ExposeRunningStatsPass corrects their update)
+                buffer.copy_(_to_torch(outputs[out]))
             for bn in self.batch_norms:
                 if bn.num_batches_tracked is not None:
                     bn.num_batches_tracked.add_(1)

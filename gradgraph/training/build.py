@@ -51,6 +51,7 @@ from gradgraph.validate import check_names, unknown_names
 from passes.autodiff import GradientError, GradientOptions
 from passes.autodiff.gradient_pass import GradientPass
 from passes.exports import KIND_KEY, WeightKind
+from passes.exports.conventions import CORRECTION_OF_KEY
 from passes.forward.eval_mode import EvalModePass
 from passes.forward.expose_running_stats import ExposeRunningStatsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
@@ -119,7 +120,7 @@ class TrainedSetPass(InPlacePass):
         graph = model.graph
         outputs = {v.name for v in graph.outputs}
         self.buffers = sorted(name for name in graph.initializers if name + self.suffix in outputs
-                              and any(n.op_type == "BatchNormalization"
+                              and any(n.op_type == "BatchNormalization" or CORRECTION_OF_KEY in n.metadata_props
                                       for n in _consumers(graph.initializers[name])))
         gradients = gradient_outputs(graph)
         self.trained = sorted(w for w in gradients if w not in self.excluded and w not in self.buffers)

@@ -24,6 +24,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.engine import WEIGHT_KIND_KEY as KIND_KEY  # noqa: E402  (one key, defined by its reader)
+from passes.exports.conventions import running_stat_input
 from passes.exports.recover import RECOVERED_KEY
 from passes.exports.signature import TorchSignature, folded_from
 
@@ -41,7 +42,8 @@ def _running_stats(graph: ir.Graph) -> set[str]:
     stats: set[str] = set()
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
-            stats.update(v.name for v in node.inputs[3:5] if v is not None and v.name)
+            inputs = [running_stat_input(v) for v in node.inputs[3:5]]
+            stats.update(v.name for v in inputs if v is not None and v.name)
     return stats
 
 

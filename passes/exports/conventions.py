@@ -9,7 +9,11 @@ The ONNX op alone cannot say these; a dynamo export's FX provenance (``fx_call``
    no gradient at exactly min or max;
 3. ``BatchNormalization`` from a training-mode ``aten._native_batch_norm_legit_functional``
    (a module in ``train()`` mode) that the exporter wrote in inference mode gets
-   ``training_mode = 1``: batch statistics, as torch computes them.
+   ``training_mode = 1``: batch statistics, as torch computes them;
+4. every training-mode ``BatchNormalization`` of a torch export (such a call, or any in a
+   model whose producer is ``pytorch``, the legacy exporter's) gets ``RUNNING_VAR_KEY =
+   "unbiased"``: torch updates the running variance with the unbiased batch variance, ONNX
+   with the biased one (``ExposeRunningStatsPass`` corrects the update it exposes).
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from passes.autodiff.rules.elementwise import CLIP_BOUNDS_KEY
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
 from passes.exports.signature import fx_call
 
+# On a training-mode BatchNormalization: "unbiased" = its running variance follows torch.
+RUNNING_VAR_KEY = "gradgraph.running_var"
+# On the nodes that correct such a node's update (ExposeRunningStatsPass): the node's name.
+CORRECTION_OF_KEY = "gradgraph.running_var_correction_of"
 _TRAINING_BATCH_NORMS = frozenset({"aten._native_batch_norm_legit_functional.default",
                                    "aten._native_batch_norm_legit.default"})
 _CLAMPS = frozenset({"aten.clamp.default", "aten.clamp.Tensor", "aten.clip.default",
@@ -30,9 +38,13 @@ _CLAMPS = frozenset({"aten.clamp.default", "aten.clamp.Tensor", "aten.clip.defau
 class TorchConventionsPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
         modified = False
+        from_torch = (model.producer_name or "").lower() == "pytorch"
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
             call = fx_call(node)
             if call is None:
+                if (from_torch and node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx")
+                        and node.attributes.get_int("training_mode", 0) != 0):
+                    modified |= _mark_unbiased(node)
                 continue
             if node.op_type == "Gather" and call.target == "aten.embedding.default" and len(call.args) >= 3:
                 try:
@@ -50,9 +62,29 @@ class TorchConventionsPass(InPlacePass):
                     node.resize_outputs(3)
                     for out, what in zip(node.outputs[1:], ("running_mean", "running_var"), strict=True):
                         out.name = out.name or f"{node.outputs[0].name}.{what}"
+                _mark_unbiased(node)
                 modified = True
+            elif (node.op_type == "BatchNormalization" and (call.target in _TRAINING_BATCH_NORMS or from_torch)
+                  and node.attributes.get_int("training_mode", 0) != 0):
+                modified |= _mark_unbiased(node)
             elif node.op_type == "Clip" and call.target in _CLAMPS:
                 if node.metadata_props.get(CLIP_BOUNDS_KEY) != "closed":
                     node.metadata_props[CLIP_BOUNDS_KEY] = "closed"
                     modified = True
         return PassResult(model, modified)
+
+
+def _mark_unbiased(node: ir.Node) -> bool:
+    if node.metadata_props.get(RUNNING_VAR_KEY) == "unbiased":
+        return False
+    node.metadata_props[RUNNING_VAR_KEY] = "unbiased"
+    return True
+
+
+def running_stat_input(value: ir.Value | None) -> ir.Value | None:
+    """A BatchNormalization's running-statistic input as the graph holds it: through the
+    ordering node ExposeRunningStatsPass puts before a corrected one (``max(var, ...)``)."""
+    producer = value.producer() if value is not None else None
+    if producer is not None and CORRECTION_OF_KEY in producer.metadata_props:
+        return producer.inputs[0]
+    return value

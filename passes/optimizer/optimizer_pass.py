@@ -18,11 +18,17 @@ gradient values from ``GradientPass``:
    the loss and every new weight and state are finite (a NaN/inf gradient, learning rate or
    hyper-parameter makes them non-finite); when it is false every ``X.out`` is ``X`` itself,
    bit for bit (``Where(finite, new, old)``), the step counter included: the step is skipped.
+   With ``select_in_graph=False`` the graph leaves that selection to its runtime: the
+   ``X.out`` outputs carry ``gradgraph.valid_if = step_finite`` (:data:`VALID_IF_KEY`);
 6. with ``loss_scale`` (mixed precision; the loss was multiplied by the ``loss_scale`` input
    before differentiation, see ``LossScalePass``): the gradients are divided by it before
    clipping, ``all_gradients_finite`` is output, a step with a non-finite gradient is skipped
    (whatever ``skip_non_finite`` says), and the scale and its ``stable_steps`` counter are
    updated (see :class:`LossScaleSettings`).
+
+Weights below ``fuse_below`` elements that share a config, learning-rate scale and dtype are
+updated together (one flat vector per group, Concat in and Split out; the state keeps its
+per-weight inputs and outputs).
 
 Scalar outputs carry their role in ``metadata_props`` (:class:`passes.marks.OutputRole`). The
 graph records that it has an optimizer part (graph metadata ``gradgraph.optimizer``); a second
