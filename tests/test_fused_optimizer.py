@@ -187,3 +187,30 @@ def test_skipped_step_keeps_state_bit_for_bit(fuse_below: int) -> None:
     sa, sb = a.get_state(), b.get_state()
     for name in sb:
         np.testing.assert_array_equal(sa[name], sb[name], err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_finite_check(dtype) -> None:
+    """The step's finite flag: NaN or inf anywhere in any value makes it false; large finite
+    float16 values whose sum exceeds float16's range do not (their check is exact)."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from passes.autodiff.builder import OpBuilder
+    from passes.optimizer.optimizer_pass import _all_finite
+
+    b = OpBuilder(17)
+    tensor_type = ir.TensorType(ir.DataType.from_numpy(np.dtype(dtype)))
+    inputs = [ir.Value(name=f"v{i}", type=tensor_type, shape=ir.Shape([4])) for i in range(2)]
+    flag = _all_finite(b, [b.wrap(v) for v in inputs])
+    flag.value.name = "finite"
+    graph = ir.Graph(inputs, [flag.value], nodes=b.nodes, opset_imports={"": 17})
+    proto = ir.to_proto(ir.Model(graph, ir_version=8))
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    big = 6e4 if dtype == np.float16 else 1e30
+    cases = [([1, 2, 3, 4], [5, 6, 7, 8], True), ([1, np.nan, 3, 4], [5, 6, 7, 8], False),
+             ([1, 2, 3, 4], [5, np.inf, 7, 8], False), ([1, 2, 3, 4], [-np.inf, 6, 7, 8], False),
+             ([big, big, big, big], [big, big, big, big], True)]
+    for a, c, expected in cases:
+        out = session.run(None, {"v0": np.array(a, dtype), "v1": np.array(c, dtype)})[0]
+        assert bool(out) is expected, (a, c)

@@ -366,20 +366,20 @@ class OptimizerPass(InPlacePass):
 def _all_finite(b: OpBuilder, values: list[Var]) -> Var:
     """Bool scalar: every element of every value is finite.
 
-    float32/float64 values: the sum of each value is NaN or inf exactly when one of its elements
-    is, or when the sum of finite elements overflows (|sum| > 3.4e38 in float32: counted as not
-    finite). One read of each value. Other types (float16's range is easily exceeded by a sum):
-    ``x * 0`` is 0 for finite x and NaN for NaN/inf, so the sum of those products is 0 or NaN.
+    float32/float64 values: the sum of a value is NaN or inf exactly when one of its elements
+    is, or when the sum of its finite elements overflows (|sum| > 3.4e38 in float32: counted
+    as not finite). One read of each value. Other types (float16's range is easily exceeded by
+    a sum): ``x * 0`` is 0 for finite x and NaN for NaN/inf, and so is the sum of those. Each
+    value's verdict is a scalar ``s * 0`` (0 or NaN), so combining them cannot overflow.
     """
     f32 = ir.DataType.FLOAT
-    sums = []
+    verdicts = []
     for v in values:
-        if v.known_dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
-            sums.append(b.cast_to(b.reduce("ReduceSum", v, None, keepdims=0), f32))
-        else:
-            sums.append(b.cast_to(b.reduce("ReduceSum", v * 0.0, None, keepdims=0), f32))
-    total = sums[0] if len(sums) == 1 else b.Sum(*sums)
-    return b.Not(b.IsNaN(total * 0.0))
+        exact = v.known_dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE)
+        total = b.reduce("ReduceSum", v * 0.0 if exact else v, None, keepdims=0)
+        verdicts.append(b.cast_to(total * 0.0, f32))
+    combined = verdicts[0] if len(verdicts) == 1 else b.Sum(*verdicts)
+    return b.Not(b.IsNaN(combined))
 
 
 @dataclasses.dataclass
