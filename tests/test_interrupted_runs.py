@@ -79,8 +79,11 @@ def test_ctrl_c_saves_and_exits_130(files: tuple[Path, Path], tmp_path: Path) ->
     model, data = files
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # SIGINT's default action in the child whatever this process inherited (a shell's background
+    # job ignores SIGINT, and an ignored signal stays ignored across exec)
     child = subprocess.Popen(_command(model, data, out, "--checkpoint-every", "0"), env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(4.0)
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=60)

@@ -642,7 +642,12 @@ class ORTTrainer:
         self._train_step_info.step = int(info["step"])
 
     def save_as_onnx(self, path: str | os.PathLike) -> None:
-        """The training model (forward, gradient, optimizer) with the current state as initializers."""
+        """The training model (forward, gradient, optimizer) with the current state as initializers.
+
+        It is the session's graph: its ``X.out`` outputs are the next values of ``X`` when its
+        ``step_finite`` output is true (they carry ``gradgraph.valid_if = step_finite``); a
+        runtime keeps ``X`` otherwise, as the session does. ``gradgraph build`` writes graphs
+        that make that choice themselves."""
         session = self._session
         if session is None:
             raise RuntimeWarning("ORTTrainer.save_as_onnx: no model yet; run train_step or eval_step "
