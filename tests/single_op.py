@@ -128,3 +128,31 @@ def max_roi_pool_reference(x: np.ndarray, rois: np.ndarray, pooled: Sequence[int
                 for ch, k in enumerate(best):
                     dx[int(roi[0]), ch, hs + k // (we - ws), ws + k % (we - ws)] += dy[r, ch, ph, pw]
     return y, dx
+
+
+def linear_attention_reference(q_heads: int, kv_heads: int, scale: float, query, key, value,
+                               past=None, decay=None, beta=None) -> list:
+    """LinearAttention's recurrence as onnx's reference implementation defines it, in torch (any
+    float dtype; autograd through it is the gradient oracle): ``[y, final state]``. The update
+    rule shows in which of ``decay`` (gated) and ``beta`` (delta) are given; ``scale`` 0 means
+    ``1 / sqrt(d_k)``."""
+
+    def heads(x, count):  # [B, T, H*D] -> [B, H, T, D]
+        return x.reshape(*x.shape[:2], count, -1).transpose(1, 2)
+
+    q, k, v = heads(query, q_heads), heads(key, kv_heads), heads(value, kv_heads)
+    batch, _, steps, d_k = k.shape
+    state = past if past is not None else torch.zeros(batch, kv_heads, d_k, v.shape[-1], dtype=q.dtype)
+    scale = scale or 1.0 / d_k**0.5
+    a = heads(decay, kv_heads).exp() if decay is not None else None  # [B, Hkv, T, dk or 1]
+    rate = beta.reshape(batch, steps, -1, 1).transpose(1, 2) if beta is not None else None
+    outs = []
+    for t in range(steps):
+        if a is not None:
+            state = state * a[:, :, t, :, None]
+        u = v[:, :, t]
+        if rate is not None:
+            u = rate[:, :, t] * (u - torch.einsum("bhdm,bhd->bhm", state, k[:, :, t]))
+        state = state + k[:, :, t, :, None] * u[:, :, None, :]
+        outs.append(scale * torch.einsum("bhd,bhdm->bhm", q[:, :, t], state.repeat_interleave(q_heads // kv_heads, 1)))
+    return [torch.stack(outs, 2).transpose(1, 2).reshape(batch, steps, -1), state]

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from opcases import Spec
-from single_op import max_roi_pool_reference
+from single_op import linear_attention_reference, max_roi_pool_reference
 
 from gradgraph import check
 from gradgraph.api import build_gradient_graph
@@ -2234,32 +2234,13 @@ def max_roi_pool(draw, op):
 
 
 def _linear_attention(inputs, attrs):
-    """The recurrence of LinearAttention's reference implementation (see its schema); the
-    update rule shows in which of decay (gated) and beta (delta) are given."""
-    q_heads, kv_heads = attrs["q_num_heads"], attrs["kv_num_heads"]
+    """The recurrence of LinearAttention's reference implementation (single_op's, in float64)."""
+    import torch
 
-    def heads(x, count):  # [B, T, H * D] -> [B, H, T, D]
-        return x.reshape(*x.shape[:2], count, -1).transpose(0, 2, 1, 3)
-
-    q, k, v = heads(inputs["query"], q_heads), heads(inputs["key"], kv_heads), heads(inputs["value"], kv_heads)
-    batch, _, steps, d_k = k.shape
-    state = inputs.get("past")
-    state = np.zeros((batch, kv_heads, d_k, v.shape[-1])) if state is None else state
-    scale = attrs.get("scale") or 1.0 / np.sqrt(d_k)
-    decay = inputs.get("decay")
-    a = np.exp(heads(decay, kv_heads)) if decay is not None else None  # [B, Hkv, T, dk or 1]
-    beta = inputs.get("beta")
-    rate = beta.reshape(batch, steps, -1, 1).transpose(0, 2, 1, 3) if beta is not None else None
-    outs = []
-    for t in range(steps):
-        if a is not None:
-            state = state * a[:, :, t, :, None]
-        u = v[:, :, t]
-        if rate is not None:
-            u = rate[:, :, t] * (u - np.einsum("bhdm,bhd->bhm", state, k[:, :, t]))
-        state = state + k[:, :, t, :, None] * u[:, :, None, :]
-        outs.append(scale * np.einsum("bhd,bhdm->bhm", q[:, :, t], np.repeat(state, q_heads // kv_heads, 1)))
-    return [np.stack(outs, 2).transpose(0, 2, 1, 3).reshape(batch, steps, -1), state]
+    tensors = {name: torch.from_numpy(np.asarray(value, np.float64)) for name, value in inputs.items()}
+    outs = linear_attention_reference(attrs["q_num_heads"], attrs["kv_num_heads"], attrs.get("scale") or 0.0,
+                                      **tensors)
+    return [out.numpy() for out in outs]
 
 
 @other("LinearAttention")

@@ -20,7 +20,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
-from single_op import max_roi_pool_reference
+from single_op import linear_attention_reference, max_roi_pool_reference
 
 from gradgraph import check
 from gradgraph.api import build_gradient_graph
@@ -571,32 +571,6 @@ def test_max_roi_pool(data):
 # ---- LinearAttention ------------------------------------------------------------------------------
 
 
-def _torch_linear_attention(rule: str, q_heads: int, kv_heads: int, scale: float, query, key, value,
-                            past=None, decay=None, beta=None):
-    """The recurrence of onnx's reference implementation, in torch."""
-    import torch
-
-    def heads(x, count):  # [B, T, H*D] -> [B, H, T, D]
-        return x.reshape(*x.shape[:2], count, -1).transpose(1, 2)
-
-    q, k, v = heads(query, q_heads), heads(key, kv_heads), heads(value, kv_heads)
-    batch, _, steps, d_k = k.shape
-    state = past if past is not None else torch.zeros(batch, kv_heads, d_k, v.shape[-1], dtype=q.dtype)
-    scale = scale or 1.0 / d_k**0.5
-    a = heads(decay, kv_heads).exp() if decay is not None else None  # [B, Hkv, T, dk or 1]
-    rate = beta.reshape(batch, steps, -1, 1).transpose(1, 2) if beta is not None else None
-    outs = []
-    for t in range(steps):
-        if a is not None:
-            state = state * a[:, :, t, :, None]
-        u = v[:, :, t]
-        if rate is not None:
-            u = rate[:, :, t] * (u - torch.einsum("bhdm,bhd->bhm", state, k[:, :, t]))
-        state = state + k[:, :, t, :, None] * u[:, :, None, :]
-        outs.append(scale * torch.einsum("bhd,bhdm->bhm", q[:, :, t], state.repeat_interleave(q_heads // kv_heads, 1)))
-    return [torch.stack(outs, 2).transpose(1, 2).reshape(batch, steps, -1), state]
-
-
 @SETTINGS
 @given(data=st.data())
 def test_linear_attention(data):
@@ -627,7 +601,7 @@ def test_linear_attention(data):
                               q_num_heads=kv_heads * group, kv_num_heads=kv_heads)]
     assert_matches_torch(
         model_of(nodes, shapes, ["y", "state"], opset=27), feeds,
-        lambda **t: _torch_linear_attention(rule, kv_heads * group, kv_heads, scale, **t))
+        lambda **t: linear_attention_reference(kv_heads * group, kv_heads, scale, **t))
 
 
 # ---- refusals and the scale of a lone DequantizeLinear --------------------------------------------

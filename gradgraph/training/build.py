@@ -51,7 +51,7 @@ from gradgraph.validate import check_names, unknown_names
 from passes.autodiff import GradientError, GradientOptions
 from passes.autodiff.gradient_pass import GradientPass
 from passes.exports import KIND_KEY, WeightKind
-from passes.exports.conventions import CORRECTION_OF_KEY
+from passes.exports.classify import running_stat_names
 from passes.forward.eval_mode import EvalModePass
 from passes.forward.expose_running_stats import ExposeRunningStatsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
@@ -119,9 +119,9 @@ class TrainedSetPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
         outputs = {v.name for v in graph.outputs}
+        stats = running_stat_names(graph)
         self.buffers = sorted(name for name in graph.initializers if name + self.suffix in outputs
-                              and any(n.op_type == "BatchNormalization" or CORRECTION_OF_KEY in n.metadata_props
-                                      for n in _consumers(graph.initializers[name])))
+                              and name in stats)
         gradients = gradient_outputs(graph)
         self.trained = sorted(w for w in gradients if w not in self.excluded and w not in self.buffers)
         if not self.trained:
@@ -143,10 +143,6 @@ class TrainedSetPass(InPlacePass):
                 props[HELD_KEY] = kind
         common.RemoveUnusedNodesPass()(model)
         return PassResult(model, modified)
-
-
-def _consumers(value: ir.Value) -> list[ir.Node]:
-    return [node for node, _ in value.uses()]
 
 
 class FinishPass(InPlacePass):

@@ -410,3 +410,22 @@ class OpBuilder:
         axes = self.Reshape(self.NonZero(self.Not(self.Equal(padded, sg))), [-1])
         summed = self.ReduceSum(g, axes, keepdims=1, noop_with_empty_axes=1)
         return self.Reshape(summed, sx)
+
+
+def scope_taken_names(graph: ir.Graph, nodes: Sequence[ir.Node], prefix: str) -> None:
+    """Rename the values of ``nodes`` (made by a builder, not yet in ``graph``) whose names
+    ``graph`` already uses to ``<prefix>/<name>``, with their Constant nodes: each builder
+    numbers its constants ``gradgraph_const_<n>`` from 1, so a second builder's collide."""
+    taken = {v.name for v in graph.inputs} | set(graph.initializers)
+    taken |= {o.name for n in graph for o in n.outputs if o.name}
+    for node in nodes:
+        for out in node.outputs:
+            if out.name in taken:
+                name, k = f"{prefix}/{out.name}", 0
+                while name in taken:
+                    k += 1
+                    name = f"{prefix}/{out.name}_{k}"
+                if node.name and node.name.startswith("gradgraph_const_"):
+                    node.name = f"{name}_node"
+                out.name = name
+            taken.add(out.name)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
-from passes.autodiff.builder import NodeView, OpBuilder, Var, shape_dims
+from passes.autodiff.builder import NodeView, OpBuilder, Var, scope_taken_names, shape_dims
 from passes.autodiff.errors import GradientError
 from passes.autodiff.registry import GradRule, lookup
 from passes.marks import GRAD_OF_KEY, GRADIENT_OF_KEY, STAGE_KEY, Role
@@ -242,6 +242,7 @@ class GradientSweep:
             if g is None:
                 g = b.zeros_like(b.wrap(w))
             results[w.name or ""] = self._expose(g, w)
+        scope_taken_names(self.graph, b.nodes, "grad")  # the model may hold builder constants
         self.graph.extend(b.nodes)
         for value in results.values():
             self.graph.outputs.append(value)

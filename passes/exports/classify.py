@@ -38,7 +38,9 @@ class WeightKind(str, enum.Enum):
     CONSTANT = "constant"
 
 
-def _running_stats(graph: ir.Graph) -> set[str]:
+def running_stat_names(graph: ir.Graph) -> set[str]:
+    """The names of the running mean and variance inputs of every BatchNormalization (read
+    through the ordering node of a corrected variance update, see ``running_stat_input``)."""
     stats: set[str] = set()
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
@@ -78,7 +80,7 @@ class ClassifyWeightsPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
         signature = TorchSignature.read(model)
-        stats = _running_stats(graph) if signature is None else set()
+        stats = running_stat_names(graph) if signature is None else set()
         modified = False
         for value in graph.initializers.values():
             if value.dtype not in FLOATS:

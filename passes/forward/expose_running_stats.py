@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.autodiff.builder import OpBuilder
+from passes.autodiff.builder import OpBuilder, scope_taken_names
 from passes.exports.conventions import CORRECTION_OF_KEY, RUNNING_VAR_KEY, running_stat_input
 
 
@@ -89,12 +89,7 @@ def _unbiased_update(model: ir.Model, node: ir.Node, var: ir.Value, new: ir.Valu
     less_one = b.Max(b.Sub(count, b.const(np.array(1, np.int64))), b.const(np.array(1, np.int64)))
     factor = b.Div(b.Cast(count, to=int(dtype)), b.Cast(less_one, to=int(dtype)))
     corrected = b.Add(kept, b.Mul(b.Sub(b.wrap(new), kept), factor))
-    for added in b.nodes:  # the builder's constants have graph-wide names: scope them
-        for out in added.outputs:
-            if out.name and not out.name.startswith(b.prefix):
-                out.name = f"{b.prefix}/{out.name}"
-        if added.name and not added.name.startswith(b.prefix):
-            added.name = f"{b.prefix}/{added.name}"
+    scope_taken_names(model.graph, b.nodes, b.prefix)
     node.replace_input_with(4, ordered.value)
     model.graph.insert_before(node, before)
     model.graph.insert_after(node, [n for n in b.nodes if n not in before])

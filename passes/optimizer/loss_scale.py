@@ -14,7 +14,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.autodiff.builder import OpBuilder
+from passes.autodiff.builder import OpBuilder, scope_taken_names
 from passes.marks import OUTPUT_KEY, STAGE_KEY, OutputRole, Role
 
 
@@ -41,6 +41,7 @@ class LossScalePass(InPlacePass):
         scaled.name = self.scaled
         scaled.type, scaled.shape = loss.type, loss.shape
         scaled.metadata_props[OUTPUT_KEY] = OutputRole.SCALED_LOSS.value
+        scope_taken_names(graph, b.nodes, b.prefix)
         graph.extend(b.nodes)
         graph.outputs.append(scaled)
         return PassResult(model, True)

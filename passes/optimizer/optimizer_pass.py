@@ -48,7 +48,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.autodiff.builder import OpBuilder, Var
+from passes.autodiff.builder import OpBuilder, Var, scope_taken_names
 from passes.autodiff.errors import GradientError
 from passes.marks import OUTPUT_KEY, STAGE_KEY, OutputRole, Role
 from passes.optimizer import ParamGroup, StepScalars, resolve, rule_for
@@ -249,7 +249,7 @@ class OptimizerPass(InPlacePass):
                     grads[w] = grads[w] * (1.0 / s.accumulation_steps)
         if self.apply:
             self._apply(b, graph, inputs, weights, grads, add_input, add_output)
-        _uniquify(graph, b.nodes)
+        scope_taken_names(graph, b.nodes, b.prefix)
         graph.extend(b.nodes)
         graph.outputs.extend(outputs)
         return PassResult(model, True)
@@ -391,7 +391,6 @@ class _Unit:
     lr_scale: float
     sizes: tuple[int, ...]
     shapes: list[list[int]]
-    _splits: dict[int, list[Var]] = dataclasses.field(default_factory=dict)
 
     @property
     def fused(self) -> bool:
@@ -435,16 +434,3 @@ def _units(settings: OptimizerSettings, weights: list[str], inputs: Mapping[Any,
             continue
         units.append(_Unit([w], cfg, lr_scale, (size,), [dims]))
     return units
-
-
-def _uniquify(graph: ir.Graph, nodes: list[ir.Node]) -> None:
-    """Rename new nodes' values whose names the graph already uses (builder constants)."""
-    taken = {v.name for v in graph.inputs} | set(graph.initializers)
-    taken |= {o.name for n in graph for o in n.outputs if o.name}
-    for node in nodes:
-        for out in node.outputs:
-            if out.name in taken:
-                out.name = f"optimizer/{out.name}"
-                if node.name and node.name.startswith("gradgraph_const_"):
-                    node.name = f"optimizer/{node.name}"
-            taken.add(out.name)
