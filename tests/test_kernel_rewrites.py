@@ -63,3 +63,142 @@ def test_higher_rank_scores_are_left_alone() -> None:
     model = ir.from_proto(_sce_model("mean", None, False, False, rank=3))
     assert not SplitSoftmaxCrossEntropyPass()(model).modified
     assert [n.op_type for n in model.graph][0] == "SoftmaxCrossEntropyLoss"
+
+
+# ---- WholeScoresLossPass: a loss over sliced scores computed over all of them ---------------
+
+_INT64_MAX = 2**63 - 1
+
+
+def _sliced_loss_model(form: str, reduction: str, cut: str, label_dtype: int, weights: bool,
+                       dynamic: bool) -> onnx.ModelProto:
+    """logits = h @ W ([B, S, V]); loss over logits sliced on the leading axes, labels sliced
+    the same way; ``cut``: "causal" (positions :-1 of axis 1), "tail" (1: of axis 1, end given
+    as INT64_MAX), "both" (1: of axis 0 and 2:-1 of axis 1, negative axes)."""
+    B, S, D, V = 3, 6, 4, 5
+    slices = {"causal": ([0], [-1], [1]), "tail": ([1], [_INT64_MAX], [1]),
+              "both": ([1, 2], [_INT64_MAX, -1], [-3, -2])}[cut]
+    starts, ends, axes = slices
+    lead = ["B", "S"] if dynamic else [B, S]
+    kept = {"causal": B * (S - 1), "tail": B * (S - 1), "both": (B - 1) * (S - 3)}[cut]
+    inputs = [helper.make_tensor_value_info("h", TensorProto.FLOAT, [*lead, D]),
+              helper.make_tensor_value_info("y", label_dtype, lead)]
+    inits = [onnx.numpy_helper.from_array(np.linspace(-1, 1, D * V, dtype=np.float32).reshape(D, V), "W"),
+             onnx.numpy_helper.from_array(np.array(starts, np.int64), "starts"),
+             onnx.numpy_helper.from_array(np.array(ends, np.int64), "ends"),
+             onnx.numpy_helper.from_array(np.array([a + 1 if a < 0 else a for a in axes], np.int64), "yaxes"),
+             onnx.numpy_helper.from_array(np.array(axes, np.int64), "axes"),
+             # static: the dynamo exporter's explicit [n, V] with allowzero=1; dynamic: legacy's [-1, V]
+             onnx.numpy_helper.from_array(np.array([-1 if dynamic else kept, V], np.int64), "flat2"),
+             onnx.numpy_helper.from_array(np.array([-1], np.int64), "flat1")]
+    if weights:
+        inits.append(onnx.numpy_helper.from_array(np.linspace(0.5, 2.0, V, dtype=np.float32), "cw"))
+    nodes = [helper.make_node("MatMul", ["h", "W"], ["logits"]),
+             helper.make_node("Slice", ["logits", "starts", "ends", "axes"], ["sliced"]),
+             helper.make_node("Reshape", ["sliced", "flat2"], ["scores"], allowzero=0 if dynamic else 1),
+             # the labels' rank is one less: the same leading axes, counted from their end
+             helper.make_node("Slice", ["y", "starts", "ends", "yaxes"], ["y_sliced"]),
+             helper.make_node("Reshape", ["y_sliced", "flat1"], ["labels"])]
+    loss_inputs = ["scores", "labels"] + (["cw"] if weights else [])
+    attrs = {"reduction": reduction, "ignore_index": -100}
+    if form == "sce":
+        nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", loss_inputs, ["loss"], name="ce", **attrs))
+    else:
+        nodes.append(helper.make_node("LogSoftmax", ["scores"], ["logp"], axis=1))
+        nodes.append(helper.make_node("NegativeLogLikelihoodLoss", ["logp", *loss_inputs[1:]], ["loss"],
+                                      name="ce", **attrs))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)  # the pass reads the logits' rank
+
+
+def _torch_sliced_loss(feeds: dict, W: np.ndarray, cw: np.ndarray | None, reduction: str, cut: str):
+    """The oracle: torch float64 autograd of the same loss, slicing written in torch."""
+    import torch
+
+    h = torch.tensor(feeds["h"], dtype=torch.float64, requires_grad=True)
+    w = torch.tensor(W, dtype=torch.float64, requires_grad=True)
+    logits = h @ w
+    y = torch.tensor(feeds["y"].astype(np.int64))
+    index = {"causal": (slice(None), slice(0, -1)), "tail": (slice(None), slice(1, None)),
+             "both": (slice(1, None), slice(2, -1))}[cut]
+    loss = torch.nn.functional.cross_entropy(
+        logits[index].reshape(-1, logits.shape[-1]), y[index].reshape(-1), ignore_index=-100,
+        reduction=reduction, weight=None if cw is None else torch.tensor(cw, dtype=torch.float64))
+    loss.backward()
+    return loss.item(), h.grad.numpy(), w.grad.numpy()
+
+
+@pytest.mark.parametrize("form", ["sce", "nll"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("cut,label_dtype,weights,dynamic", [
+    ("causal", TensorProto.INT64, False, False), ("causal", TensorProto.INT32, True, True),
+    ("tail", TensorProto.INT64, True, True), ("both", TensorProto.INT64, False, False),
+    ("both", TensorProto.INT32, True, True)])
+def test_whole_scores_loss_same_loss_and_gradient(form, reduction, cut, label_dtype, weights, dynamic) -> None:
+    from gradgraph import build_gradient_graph
+
+    rng = np.random.default_rng(1)
+    model = _sliced_loss_model(form, reduction, cut, label_dtype, weights, dynamic)
+    y = rng.integers(0, 5, (3, 6))
+    y[0, 3] = -100  # an ignored label inside the slice stays ignored
+    feeds = {"h": rng.standard_normal((3, 6, 4)).astype(np.float32),
+             "y": y.astype(np.int32 if label_dtype == TensorProto.INT32 else np.int64)}
+    ir_model = ir.from_proto(model)
+    from passes.kernels import WholeScoresLossPass
+
+    assert WholeScoresLossPass()(ir_model).modified
+    rewritten = ir.to_proto(ir_model)
+    assert not any(n.op_type == "Slice" and n.input[0] == "logits" for n in rewritten.graph.node)
+    (ours,) = _run(rewritten, feeds)
+    (original,) = _run(model, feeds)
+    np.testing.assert_allclose(ours, original, rtol=1e-6)
+    grads = build_gradient_graph(rewritten, "loss", ["h", "W"])
+    assert not any(n.op_type == "Pad" and "logits" in n.output[0] for n in grads.graph.node)
+    session = ort.InferenceSession(grads.SerializeToString(), providers=["CPUExecutionProvider"])
+    loss, dh, dW = session.run(["loss", "h_grad", "W_grad"], feeds)
+    W = onnx.numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "W"))
+    cw = np.linspace(0.5, 2.0, 5, dtype=np.float32) if weights else None
+    ref_loss, ref_dh, ref_dW = _torch_sliced_loss(feeds, W, cw, reduction, cut)
+    # float32 graph against a float64 oracle
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(dh, ref_dh, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(dW, ref_dW, rtol=1e-4, atol=1e-6)
+
+
+def test_whole_scores_loss_leaves_others_alone() -> None:
+    from passes.kernels import WholeScoresLossPass
+
+    # reduction none: the per-position losses keep the sliced shape
+    model = _sliced_loss_model("sce", "none", "causal", TensorProto.INT64, False, False)
+    assert not WholeScoresLossPass()(ir.from_proto(model)).modified
+    # the sliced logits are used elsewhere too (a graph output): the copy is needed anyway
+    model = _sliced_loss_model("sce", "mean", "causal", TensorProto.INT64, False, False)
+    model.graph.output.append(helper.make_tensor_value_info("sliced", TensorProto.FLOAT, None))
+    assert not WholeScoresLossPass()(ir.from_proto(model)).modified
+    # no ignore_index: no value to give the cut-away labels
+    model = _sliced_loss_model("nll", "mean", "tail", TensorProto.INT64, False, False)
+    loss = next(n for n in model.graph.node if n.name == "ce")
+    del loss.attribute[[a.name for a in loss.attribute].index("ignore_index")]
+    assert not WholeScoresLossPass()(ir.from_proto(model)).modified
+    # a slice of the class axis
+    model = _sliced_loss_model("sce", "mean", "causal", TensorProto.INT64, False, False)
+    axes = next(i for i in model.graph.initializer if i.name == "axes")
+    axes.CopyFrom(onnx.numpy_helper.from_array(np.array([2], np.int64), "axes"))
+    assert not WholeScoresLossPass()(ir.from_proto(model)).modified
+
+
+def test_training_build_takes_whole_scores() -> None:
+    """The training build runs the pass: no Slice of the logits, no Pad of their gradient."""
+    from gradgraph.training.build import build_training_artifacts
+    from gradgraph.training.options import TrainingConfig
+
+    model = _sliced_loss_model("sce", "mean", "causal", TensorProto.INT64, False, False)
+    artifacts = build_training_artifacts(model, TrainingConfig(loss="loss"))
+    ops = [n.op_type for n in artifacts.train.graph.node]
+    assert "Pad" in ops  # the labels' (int64)
+    assert not any(n.op_type == "Pad" and n.input[0] != "" and "grad" in n.input[0]
+                   for n in artifacts.train.graph.node)
+    assert not any(n.op_type == "Slice" and n.input[0] == "logits" for n in artifacts.train.graph.node)

@@ -27,6 +27,7 @@ from gradgraph.torch.ortmodule import GraphRunner, _to_ort, _to_torch, apply_run
 from gradgraph.validate import check_names
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
+from passes.kernels import WholeScoresLossPass
 from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 
 logger = logging.getLogger("gradgraph.torch")
@@ -124,6 +125,7 @@ class TorchOrtFactory:
             if output.name not in keep:
                 model.graph.outputs.remove(output)
         PrepareForGradientPass(strict_parameters=False)(model)
+        WholeScoresLossPass()(model)  # a loss over sliced scores: no copy of them, no Pad
         # outputs the preparation exposed (Dropout masks, running statistics) are not the user's
         ParamsToInputsPass(self.weights_to_train)(model)
         feed_names = self.input_names + self.weights_to_train

@@ -49,6 +49,7 @@ from passes.autodiff.gradient_pass import GradientPass
 from passes.autodiff.vjp import VjpSeedPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
+from passes.kernels import WholeScoresLossPass
 from passes.marks import gradient_outputs
 from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 from passes.split import split_forward_backward
@@ -209,6 +210,7 @@ class _Engine:
             model = onnxscript.optimizer.optimize(model)
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
         PrepareForGradientPass(strict_parameters=False)(model)
+        WholeScoresLossPass()(model)  # a loss over sliced logits: no copy of them, no Pad
         debug = owner._debug
         if debug.save_onnx:
             os.makedirs(os.path.dirname(os.path.abspath(debug.onnx_prefix)), exist_ok=True)
