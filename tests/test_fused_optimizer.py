@@ -214,3 +214,39 @@ def test_finite_check(dtype) -> None:
     for a, c, expected in cases:
         out = session.run(None, {"v0": np.array(a, dtype), "v1": np.array(c, dtype)})[0]
         assert bool(out) is expected, (a, c)
+
+
+class _RootNet(torch.nn.Module):
+    """sqrt(|x * s|): at x = 0 the loss is finite and the gradient of ``s`` is NaN (0 * inf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = torch.nn.Parameter(torch.ones(6))
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.fc(torch.sqrt(torch.abs(x * self.s))), y)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lamb"])
+@pytest.mark.parametrize("fuse_below", [0, 1 << 20])
+def test_non_finite_gradient_or_lr_skips_the_step(optimizer: str, fuse_below: int) -> None:
+    """The finite check reads what stands for each update (Adam: the new exp_avg_sq): a NaN
+    gradient under a finite loss, or a NaN learning rate, skips the step and keeps the state."""
+    torch.manual_seed(0)
+    model = export_training(_RootNet(), (torch.randn(8, 6), torch.randint(0, 3, (8,))), ["x", "y"])
+    config = TrainingConfig("loss", CASES[optimizer], update=UpdateOptions(fuse_below=fuse_below))
+    session = TrainingSession(model, config, providers=CPU)
+    good = _batches(1)[0]
+    session.train_step(good, lr=LR)
+    before = session.get_state()
+    zeros = {"x": np.zeros((8, 6), np.float32), "y": good["y"]}
+    loss = session.train_step(zeros, lr=LR)
+    assert np.isfinite(loss) and not session.last_step_finite
+    session.train_step(good, lr=float("nan"))
+    assert not session.last_step_finite and session.skipped_steps == 2
+    after = session.get_state()
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    session.train_step(good, lr=LR)
+    assert session.last_step_finite

@@ -45,6 +45,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from gradgraph.torch.export import ExportedCall, export_call
+from gradgraph.training.ort_state import release_free_memory
 from passes.autodiff.gradient_pass import GradientPass
 from passes.autodiff.vjp import VjpSeedPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
@@ -144,6 +145,7 @@ class GraphRunner:
         if save_prefix:
             ir.save(split.forward, f"{save_prefix}_forward.onnx")
             ir.save(split.backward, f"{save_prefix}_backward.onnx")
+        release_free_memory()  # the export's and the build's garbage, before the sessions are laid out
         self.forward = make_session(split.forward)
         backward = make_session(split.backward)
         self.backward = backward

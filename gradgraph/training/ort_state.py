@@ -11,6 +11,7 @@ are swapped in only when their flag output is true: a skipped step keeps the pre
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -190,10 +191,13 @@ class GraphRunner:
 
 
 def release_free_memory() -> None:
-    """Give memory the C heap holds freed back to the system (glibc's ``malloc_trim``; nothing
-    elsewhere). A training build frees tens of MB of protobuf and IR objects that glibc keeps,
-    and onnxruntime's arena, allocating large blocks, never reuses them (the BERT-like
-    benchmark's peak RSS: 64 MB lower with the trim and the gradient-stage model dropped)."""
+    """Give memory the C heap holds freed back to the system: Python's cyclic garbage is
+    collected (the IR's nodes and values refer to each other, so a finished build is freed only
+    by the collector), then glibc's ``malloc_trim`` (nothing elsewhere). A training build frees
+    tens of MB of protobuf and IR objects that glibc keeps, and onnxruntime's arena, allocating
+    large blocks, never reuses them (the BERT-like benchmark's peak RSS: 64 MB lower with the
+    trim and the gradient-stage model dropped)."""
+    gc.collect()
     if not sys.platform.startswith("linux"):
         return
     try:

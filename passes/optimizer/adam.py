@@ -5,7 +5,9 @@ Per weight ``w`` with gradient ``g``, learning rate ``lr`` and 1-based step ``t`
 1. Adam: ``g = g + weight_decay * w`` (coupled); AdamW: ``w = w * (1 - lr * weight_decay)``;
 2. ``m = m + (1 - beta1) * (g - m)``; ``v = beta2 * v + (1 - beta2) * g * g``;
 3. ``denom = sqrt(v) / sqrt(1 - beta2 ** t) + eps``;
-4. ``w = w - lr / (1 - beta1 ** t) * m / denom``.
+4. ``w = w - lr / (1 - beta1 ** t) * m / denom``, computed as ``w - s * m / (sqrt(v) + e)`` with
+   the scalars ``s = lr * sqrt(1 - beta2 ** t) / (1 - beta1 ** t)`` and ``e = eps * sqrt(1 - beta2 ** t)``
+   (the same value up to rounding, one pass over the tensors less).
 
 ``bias_correction=False`` drops both corrections. ``decay_after_update=True`` (AdamW only) is
 onnxruntime's ``weight_decay_mode=1``, HuggingFace's AdamW: ``w' = w - lr * sqrt(1 - beta2 ** t) /
@@ -77,9 +79,15 @@ def adam_update(b: OpBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[str, 
     v = v * cfg.beta2 + g * g * (1.0 - cfg.beta2)
     if not cfg.bias_correction:
         return w - sc.cast(lr64, dt) * (m / (b.Sqrt(v) + cfg.eps)), {"exp_avg": m, "exp_avg_sq": v}
-    bc2_sqrt = sc.cast(b.Sqrt(sc.bias_correction(cfg.beta2)), dt)
-    step_size = sc.cast(lr64 / sc.bias_correction(cfg.beta1), dt)
-    denom = b.Sqrt(v) / bc2_sqrt + cfg.eps
+    # lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), with sqrt(bc2) moved into the two scalars (float64):
+    # one pass over memory less than dividing sqrt(v) by it.
+    # The scalars are made once per graph for each (betas, eps, lr scale, dtype).
+    key = (cfg.beta1, cfg.beta2, cfg.eps, lr_scale, dt)
+    bc2_sqrt = sc.scalar(("adam_bc2_sqrt", cfg.beta2), lambda: b.Sqrt(sc.bias_correction(cfg.beta2)))
+    step_size = sc.scalar(("adam_step", *key), lambda: sc.cast(
+        lr64 * bc2_sqrt / sc.bias_correction(cfg.beta1), dt))
+    eps = sc.scalar(("adam_eps", *key), lambda: sc.cast(bc2_sqrt * cfg.eps, dt))
+    denom = b.Sqrt(v) + eps
     return w - step_size * (m / denom), {"exp_avg": m, "exp_avg_sq": v}
 
 
@@ -98,5 +106,8 @@ def _adam_hf_update(b: OpBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[s
     return w, {"exp_avg": m, "exp_avg_sq": v}
 
 
-optimizer_rule(AdamConfig, fusable="elementwise")(adam_update)
-optimizer_rule(AdamWConfig, fusable="elementwise")(adam_update)
+# exp_avg_sq is NaN/inf whenever the gradient is (g * g), and finite exp_avg_sq bounds the step:
+# |m_hat| / (sqrt(v_hat) + eps) is at most (1 - beta1) / sqrt(1 - beta2) (Kingma & Ba, 2.1), so a
+# finite learning rate gives a finite weight.
+optimizer_rule(AdamConfig, fusable="elementwise", finite_witness="exp_avg_sq")(adam_update)
+optimizer_rule(AdamWConfig, fusable="elementwise", finite_witness="exp_avg_sq")(adam_update)

@@ -35,6 +35,7 @@ UpdateFn = Callable[..., tuple[Var, dict[str, Var]]]
 _RULES: dict[type, UpdateFn] = {}
 _CONFIGS: dict[str, type] = {}
 _FUSABLE: dict[type, str] = {}
+_WITNESS: dict[type, str] = {}
 
 # How a rule may run on several weights at once, concatenated into one flat vector (see
 # ``UpdateOptions.fuse_below``): "elementwise" rules compute each element from the same element
@@ -44,10 +45,17 @@ _FUSABLE: dict[type, str] = {}
 FUSABLE_KINDS = ("elementwise", "segments")
 
 
-def optimizer_rule(config_type: type[OptimizerConfig],
-                   fusable: str | None = None) -> Callable[[UpdateFn], UpdateFn]:
+def optimizer_rule(config_type: type[OptimizerConfig], fusable: str | None = None,
+                   finite_witness: str | None = None) -> Callable[[UpdateFn], UpdateFn]:
     """Register ``fn`` as the update rule of ``config_type`` (keyed by type and by its name);
-    ``fusable``: one of :data:`FUSABLE_KINDS`, or None (the rule runs per tensor)."""
+    ``fusable``: one of :data:`FUSABLE_KINDS`, or None (the rule runs per tensor).
+
+    ``finite_witness``: the name of a new state whose being finite implies that the new weight
+    and every other new state are finite, given finite inputs, hyper-parameters and learning
+    rate (Adam's ``exp_avg_sq``: it is non-finite whenever the gradient is, and the step it
+    divides by bounds the update). The step's finite check (``skip_non_finite``) then reads
+    only that state: one pass over memory per weight instead of one per output. None: every
+    output is checked."""
     if fusable is not None and fusable not in FUSABLE_KINDS:
         raise ValueError(f"optimizer_rule(fusable=...) must be one of {FUSABLE_KINDS} or None; "
                          f"got {fusable!r}")
@@ -55,13 +63,19 @@ def optimizer_rule(config_type: type[OptimizerConfig],
     def register(fn: UpdateFn) -> UpdateFn:
         _RULES[config_type] = fn
         _CONFIGS[config_type.name] = config_type
-        if fusable is None:
-            _FUSABLE.pop(config_type, None)
-        else:
-            _FUSABLE[config_type] = fusable
+        for table, value in ((_FUSABLE, fusable), (_WITNESS, finite_witness)):
+            if value is None:
+                table.pop(config_type, None)
+            else:
+                table[config_type] = value
         return fn
 
     return register
+
+
+def finite_witness(config: Any) -> str | None:
+    """The state whose finiteness stands for the whole update of ``config`` (see optimizer_rule)."""
+    return _WITNESS.get(type(config))
 
 
 def fusable_kind(config: Any) -> str | None:
@@ -185,6 +199,10 @@ class StepScalars:
         return self._cached(("bc", beta),
                             lambda: b.Sub(b.const(np.float64(1.0)),
                                           b.Pow(b.const(np.float64(beta)), self.t64)))
+
+    def scalar(self, key: Any, make: Callable[[], Var]) -> Var:
+        """A rule's own step scalar, made by ``make`` once per graph for each ``key``."""
+        return self._cached(("rule", key), make)
 
     def cast(self, value: Var, dtype: ir.DataType) -> Var:
         """``value`` (a float64 scalar) in ``dtype``, cast once."""

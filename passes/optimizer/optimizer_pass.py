@@ -15,8 +15,9 @@ gradient values from ``GradientPass``:
    and per trained weight its optimizer state ``<w>.<state>``; the optimizer rule emits the
    new weight ``<w>.out``, new state ``<w>.<state>.out`` and ``step.out = step + 1``;
 5. with ``skip_non_finite`` (the default): the bool scalar output ``step_finite`` is true when
-   the loss and every new weight and state are finite (a NaN/inf gradient, learning rate or
-   hyper-parameter makes them non-finite); when it is false every ``X.out`` is ``X`` itself,
+   the loss, the learning rate and every new weight and state are finite (a NaN/inf gradient,
+   learning rate or hyper-parameter makes them non-finite; for a rule with a
+   ``finite_witness``, Adam's ``exp_avg_sq``, that state is read for all of its outputs); when it is false every ``X.out`` is ``X`` itself,
    bit for bit (``Where(finite, new, old)``), the step counter included: the step is skipped.
    With ``select_in_graph=False`` the graph leaves that selection to its runtime: the
    ``X.out`` outputs carry ``gradgraph.valid_if = step_finite`` (:data:`VALID_IF_KEY`);
@@ -55,6 +56,7 @@ from passes.optimizer import ParamGroup, StepScalars, resolve, rule_for
 from passes.optimizer.base import (
     check_count,
     check_number,
+    finite_witness,
     flatten_join,
     fusable_kind,
     is_number,
@@ -272,6 +274,7 @@ class OptimizerPass(InPlacePass):
         step = add_input(names.step, None, ir.DataType.INT64)
         sc = StepScalars(b, lr, step)
         updates: list[_Update] = []
+        checked: list[Var] = [lr]  # what the finite check reads (see optimizer_rule's finite_witness)
         for i, unit in enumerate(units):
             cfg = unit.config
             state_in = {k: [add_input(names.state(w, k), inputs[w]) for w in unit.weights]
@@ -285,6 +288,8 @@ class OptimizerPass(InPlacePass):
             extra = {"segments": unit.sizes} if unit.fused and fusable_kind(cfg) == "segments" else {}
             new_w, new_state = rule_for(cfg)(b, cfg, w_var, unit_grads[i], state, sc, unit.lr_scale, **extra)
             updates.append(_Update(new_w, w_var, [(names.out(w), inputs[w]) for w in unit.weights], unit))
+            witness = finite_witness(cfg)
+            checked += [new_state[witness]] if witness in new_state else [new_w, *new_state.values()]
             for k, v in new_state.items():
                 old = state[k]
                 updates.append(_Update(v, old, [(names.out(names.state(w, k)), inputs[w])
@@ -292,7 +297,6 @@ class OptimizerPass(InPlacePass):
         counter = _Update(b.Add(step, 1), step, [(names.out(names.step), step.value)], None)
         flag = None  # the output that says whether the step is taken
         if s.skip_non_finite:
-            checked = [u.new for u in updates]
             if self.loss is not None:
                 checked.append(b.wrap(self.loss))
             finite = _all_finite(b, checked)
