@@ -202,3 +202,115 @@ def test_training_build_takes_whole_scores() -> None:
     assert not any(n.op_type == "Pad" and n.input[0] != "" and "grad" in n.input[0]
                    for n in artifacts.train.graph.node)
     assert not any(n.op_type == "Slice" and n.input[0] == "logits" for n in artifacts.train.graph.node)
+
+
+# ---- ScatterAddIntoSumPass; the kernel passes together --------------------------------------------
+
+def _single(nodes, inputs, outputs, inits=(), opset: int = 17) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _rewritten(model: onnx.ModelProto, rewrite) -> onnx.ModelProto:
+    ir_model = ir.from_proto(model)
+    assert rewrite(ir_model).modified
+    return ir.to_proto(ir_model)
+
+
+@pytest.mark.parametrize("others", [1, 2])
+def test_scatter_add_into_sum_same_values(others) -> None:
+    from passes.kernels import ScatterAddIntoSumPass
+
+    inputs = [helper.make_tensor_value_info("idx", TensorProto.INT64, [5, 1]),
+              helper.make_tensor_value_info("upd", TensorProto.FLOAT, [5, 3])]
+    inputs += [helper.make_tensor_value_info(f"a{i}", TensorProto.FLOAT, [4, 3]) for i in range(others)]
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["zeros"], value=zero),
+             helper.make_node("ScatterND", ["zeros", "idx", "upd"], ["scattered"], reduction="add"),
+             helper.make_node("Sum", [f"a{i}" for i in range(others)] + ["scattered"], ["total"])]
+    model = _single(nodes, inputs, [helper.make_tensor_value_info("total", TensorProto.FLOAT, [4, 3])],
+                    [onnx.numpy_helper.from_array(np.array([4, 3], np.int64), "shape")])
+    rewritten = _rewritten(model, ScatterAddIntoSumPass())
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "ConstantOfShape" not in ops and ops.count("ScatterND") == 1
+    rng = np.random.default_rng(2)
+    feeds = {"idx": np.array([[0], [2], [0], [3], [2]], np.int64),  # repeated rows add up
+             "upd": rng.standard_normal((5, 3)).astype(np.float32)}
+    feeds.update({f"a{i}": rng.standard_normal((4, 3)).astype(np.float32) for i in range(others)})
+    np.testing.assert_allclose(_run(rewritten, feeds)[0], _run(model, feeds)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_passes_keep_training_gradients() -> None:
+    """A model with every pattern (tied embedding + output projection with a bias, cross-entropy):
+    its gradients with the kernel passes equal torch's (float64 autograd)."""
+    import torch
+
+    from gradgraph import build_gradient_graph
+    from passes.kernels import kernel_passes
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(11, 6)
+            self.bias = torch.nn.Parameter(torch.linspace(-1, 1, 11))
+
+        def forward(self, ids, labels):
+            h = torch.tanh(self.emb(ids))
+            logits = h @ self.emb.weight.T + self.bias
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1))
+
+    torch.manual_seed(0)
+    module = Tied()
+    ids, labels = torch.randint(0, 11, (3, 5)), torch.randint(0, 11, (3, 5))
+    import io
+
+    f = io.BytesIO()
+    torch.onnx.export(module, (ids, labels), f, dynamo=False, input_names=["ids", "labels"],
+                      output_names=["loss"], opset_version=17, do_constant_folding=False)
+    grads = ir.from_proto(build_gradient_graph(f.getvalue(), "loss"))
+    for rewrite in kernel_passes():
+        rewrite(grads)
+    ops = [n.op_type for n in grads.graph]
+    assert "SoftmaxCrossEntropyLoss" not in ops
+    scatter = next(n for n in grads.graph if n.op_type == "ScatterND")
+    assert scatter.inputs[0].producer().op_type != "ConstantOfShape"  # the tied weight's two uses
+    assert not any(n.op_type == "ReduceSum" and n.inputs[0].shape is not None and len(n.inputs[0].shape) == 3
+                   for n in grads.graph)  # the bias's gradient: a MatMul (OpBuilder.sum_leading)
+    proto = ir.to_proto(grads)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in proto.graph.output]
+    outs = dict(zip(names, session.run(None, {"ids": ids.numpy(), "labels": labels.numpy()}), strict=True))
+    reference = Tied().double()
+    reference.load_state_dict(module.state_dict())
+    loss = reference(ids, labels)
+    loss.backward()
+    np.testing.assert_allclose(outs["loss"], loss.item(), rtol=1e-5)
+    for name, p in reference.named_parameters():
+        np.testing.assert_allclose(outs[f"{name}_grad"], p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_sum_leading_bias_gradient(dtype, dynamic) -> None:
+    """OpBuilder.sum_leading (a broadcast operand's gradient as ones @ g): the bias gradient of
+    y = x @ W + b, loss = sum(y * y), is sum over the batch axes of 2 y (numpy, float64)."""
+    from gradgraph import build_gradient_graph
+
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE
+    rng = np.random.default_rng(3)
+    W, bias = rng.standard_normal((4, 3)).astype(dtype), rng.standard_normal(3).astype(dtype)
+    model = _single([helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"]),
+                     helper.make_node("Mul", ["y", "y"], ["sq"]), helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0)],
+                    [helper.make_tensor_value_info("x", elem, ["n", "s", 4] if dynamic else [2, 5, 4])],
+                    [helper.make_tensor_value_info("loss", elem, [])],
+                    [onnx.numpy_helper.from_array(W, "W"), onnx.numpy_helper.from_array(bias, "b")])
+    grads = build_gradient_graph(model, "loss", ["b", "W"])
+    # the Add's gradient to b sums over (n, s) by a MatMul, not a ReduceSum
+    assert not any(n.op_type == "ReduceSum" and n.name.startswith("Add_grad") for n in grads.graph.node)
+    x = rng.standard_normal((2, 5, 4)).astype(dtype)
+    session = ort.InferenceSession(grads.SerializeToString(), providers=["CPUExecutionProvider"])
+    (db,) = session.run(["b_grad"], {"x": x})
+    y = x.astype(np.float64) @ W + bias
+    np.testing.assert_allclose(db, (2 * y).sum(axis=(0, 1)), rtol=1e-5 if dtype == np.float32 else 1e-12)

@@ -50,7 +50,7 @@ from passes.autodiff.gradient_pass import GradientPass
 from passes.autodiff.vjp import VjpSeedPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
-from passes.kernels import WholeScoresLossPass
+from passes.kernels import WholeScoresLossPass, kernel_passes
 from passes.marks import gradient_outputs
 from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 from passes.split import split_forward_backward
@@ -137,6 +137,8 @@ class GraphRunner:
         self.seeds = vjp.seeds
         gradient = GradientPass(vjp.loss, differentiable)
         gradient(model)
+        for rewrite in kernel_passes():  # faster kernels for the same values (passes.kernels)
+            rewrite(model)
         grads = gradient_outputs(model.graph)
         self.grad_names = {x: grads[x].name or "" for x in grads}
         if save_prefix:

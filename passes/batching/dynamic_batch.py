@@ -51,8 +51,6 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-import numpy as np
-import onnx
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import TopologicalSortPass
@@ -60,8 +58,8 @@ from onnx_ir.passes.common import TopologicalSortPass
 from passes.autodiff.errors import GradientError
 from passes.batching.emit import Emitter
 from passes.batching.op_rules import Analysis
-from passes.batching.state import UNKNOWN, Refusal, leading, static_dims
-from passes.forward.fold_constants import FoldConstantsPass
+from passes.batching.state import UNKNOWN, Refusal, leading
+from passes.shapes import infer_missing_shapes
 
 USER_INPUT_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 
@@ -115,7 +113,7 @@ class DynamicBatchPass(InPlacePass):
         if not inputs:
             return PassResult(model, False)
         TopologicalSortPass()(model)  # the analysis walks the graph once, in order
-        _infer_shapes(model)  # static shapes at B, read by the analysis
+        infer_missing_shapes(model, replace_dynamic=True)  # static shapes at B, read by the analysis
         analysis = Analysis(model, size, inputs)
         try:
             analysis.run()
@@ -135,44 +133,6 @@ class DynamicBatchPass(InPlacePass):
                 dims[batch.axis] = ir.SymbolicDim(name)
                 value.shape = ir.Shape(dims)
         return PassResult(model, True)
-
-
-def _infer_shapes(model: ir.Model) -> None:
-    """Fill in node outputs' tensor shapes with onnx shape inference, run on a copy whose
-    constant-only nodes are folded (so Expand shapes computed by Where/ConstantOfShape chains are
-    known) and whose large initializers are inputs (only their shapes matter). onnx_ir's
-    ShapeInferencePass is not used: it types the outputs of sequence ops as tensors."""
-    initializers = list(model.graph.initializers.values())
-    large = [v for v in initializers if v.const_value is not None and v.const_value.size > 1024]
-    for value in large:  # serialized without their data, then put back in their order
-        model.graph.initializers.pop(value.name or "")
-    try:
-        proto = ir.to_proto(model)
-    finally:
-        model.graph.initializers.clear()
-        for value in initializers:
-            model.graph.register_initializer(value)
-    proto.graph.input.extend(onnx.helper.make_tensor_value_info(v.name or "", int(v.dtype or 1),
-                                                                v.const_value.shape.numpy() if v.const_value else [])
-                             for v in large)
-    folded = ir.from_proto(proto)
-    with np.errstate(all="ignore"):  # e.g. casting a -inf mask to int: only shapes are read
-        FoldConstantsPass()(folded)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(ir.to_proto(folded), strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001 - the analysis then works with the shapes it has
-        return
-    types = {info.name: info.type for info in [*inferred.graph.value_info, *inferred.graph.output]}
-    for node in model.graph:
-        for value in node.outputs:
-            found = types.get(value.name or "")
-            if found is None or found.WhichOneof("value") != "tensor_type":
-                continue
-            if value.type is None:
-                value.type = ir.serde.deserialize_type_proto_for_type(found)
-            shape = ir.serde.deserialize_type_proto_for_shape(found)
-            if isinstance(value.type, ir.TensorType) and shape is not None and static_dims(value) is None:
-                value.shape = shape
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 2. BatchNormalization gets ``training_mode = 0`` and only its ``Y`` output (running
    statistics are read, not updated); its extra outputs must be unused by nodes (graph
    outputs of the top graph are removed, with the correction of the running variance to
-   torch's: an eval graph updates no statistics).
+   torch's: an eval graph updates no statistics);
+3. LayerNormalization loses its Mean and InvStdDev outputs when nothing reads them (they were
+   exposed for the gradient; without them onnxruntime may fuse it with the Add before it).
 """
 
 from __future__ import annotations
@@ -38,5 +40,9 @@ class EvalModePass(InPlacePass):
                             f"(by {[(u.node.op_type, u.node.name) for u in extra.uses()]})")
                 node.attributes["training_mode"] = ir.AttrInt64("training_mode", 0)
                 node.resize_outputs(1)
+                modified = True
+            elif (node.op_type == "LayerNormalization" and len(node.outputs) > 1
+                  and not any(o.uses() or o.is_graph_output() for o in node.outputs[1:])):
+                node.resize_outputs(1)  # the statistics the gradient read (ExposeNormStatsPass)
                 modified = True
         return PassResult(model, modified)

@@ -4,7 +4,8 @@
    recover torch parameters the exporter folded, mark torch's gradient conventions and
    classify float initializers as parameters, buffers or constants (``passes.exports``);
 2. fold small nodes computed from Constant nodes only (shape arguments become constants);
-3. expose the masks of training-mode Dropout nodes and the running statistics that
+3. expose the masks of training-mode Dropout nodes, LayerNormalization's mean and inverse
+   standard deviation (its gradient reads them) and the running statistics that
    training-mode BatchNormalization updates (graph outputs ``<stat>.out``: onnxruntime's
    optimizer computes a training-mode BatchNormalization whose statistics go unused as an
    inference one);
@@ -22,6 +23,7 @@ from onnx_ir.passes import InPlacePass, PassError, PassResult, Sequential
 from passes.autodiff.errors import unwrap_pass_errors
 from passes.exports import ClassifyWeightsPass, RecoverParametersPass, TorchConventionsPass
 from passes.forward.expose_dropout_mask import ExposeDropoutMaskPass
+from passes.forward.expose_norm_stats import ExposeNormStatsPass
 from passes.forward.expose_running_stats import ExposeRunningStatsPass
 from passes.forward.fold_constants import FoldConstantsPass
 from passes.forward.sequence_types import TypeSequenceOutputsPass
@@ -44,6 +46,7 @@ class PrepareForGradientPass(InPlacePass):
             common.TopologicalSortPass(),
             FoldConstantsPass(),
             ExposeDropoutMaskPass(),
+            ExposeNormStatsPass(),
             TypeSequenceOutputsPass(),
             common.ShapeInferencePass(strict_mode=False),
         )

@@ -7,7 +7,19 @@ gradient rules see the original ops; WholeScoresLossPass runs on the forward gra
 it saves is mostly the gradient of what it removes.
 """
 
+from onnx_ir.passes import PassBase
+
+from passes.kernels.scatter_accumulate import ScatterAddIntoSumPass
 from passes.kernels.sliced_scores_loss import WholeScoresLossPass
 from passes.kernels.softmax_cross_entropy import SplitSoftmaxCrossEntropyPass
 
-__all__ = ["SplitSoftmaxCrossEntropyPass", "WholeScoresLossPass"]
+
+def kernel_passes(gradient: bool = True) -> list[PassBase]:
+    """The rewrites of finished graphs, in the order they run (``gradient``: those that find
+    their pattern in gradient graphs only are left out when False)."""
+    if not gradient:
+        return [SplitSoftmaxCrossEntropyPass()]
+    return [SplitSoftmaxCrossEntropyPass(), ScatterAddIntoSumPass()]
+
+
+__all__ = ["ScatterAddIntoSumPass", "SplitSoftmaxCrossEntropyPass", "WholeScoresLossPass", "kernel_passes"]

@@ -34,34 +34,11 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.builder import OpBuilder, scope_taken_names
+from passes.kernels._graph import DEFAULT_DOMAINS, const_array, default_opset, only_use, producer
 
 _LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 _TO_END = 2**62  # a Slice end at least this large means "to the end"
 _SHAPE_END_SINCE = 15  # Shape's start/end attributes
-
-
-def _const(value: ir.Value | None) -> np.ndarray | None:
-    if value is None:
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    if tensor is None:
-        return None
-    try:
-        return np.asarray(tensor.numpy())
-    except Exception:  # noqa: BLE001 - external data that is not loaded
-        return None
-
-
-def _only_use(value: ir.Value | None, graph: ir.Graph, consumer: ir.Node) -> bool:
-    return value is not None and (all(user is consumer for user, _ in value.uses())
-            and not any(out is value for out in graph.outputs))
-
-
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
-        return None
-    return node
 
 
 def _pads(slice_node: ir.Node, x: ir.Value) -> tuple[list[int], list[int]] | None:
@@ -69,10 +46,10 @@ def _pads(slice_node: ir.Node, x: ir.Value) -> tuple[list[int], list[int]] | Non
     if x.shape is None:
         return None
     rank = len(x.shape)
-    starts, ends = _const(slice_node.inputs[1]), _const(slice_node.inputs[2])
+    starts, ends = const_array(slice_node.inputs[1]), const_array(slice_node.inputs[2])
     inputs = list(slice_node.inputs) + [None] * (5 - len(slice_node.inputs))
-    axes = _const(inputs[3]) if inputs[3] is not None else np.arange(rank if starts is None else len(starts))
-    steps = _const(inputs[4]) if inputs[4] is not None else None
+    axes = const_array(inputs[3]) if inputs[3] is not None else np.arange(rank if starts is None else len(starts))
+    steps = const_array(inputs[4]) if inputs[4] is not None else None
     if starts is None or ends is None or axes is None or (inputs[4] is not None and steps is None):
         return None
     if steps is not None and not np.all(steps == 1):
@@ -99,10 +76,10 @@ def _pads(slice_node: ir.Node, x: ir.Value) -> tuple[list[int], list[int]] | Non
 class WholeScoresLossPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
-        opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 13)
+        opset = default_opset(model)
         modified = False
         for node in list(graph):
-            if node.op_type in _LOSSES and node.domain in ("", "ai.onnx"):
+            if node.op_type in _LOSSES and node.domain in DEFAULT_DOMAINS:
                 modified = self._rewrite(graph, node, opset) or modified
         return PassResult(model, modified)
 
@@ -116,21 +93,21 @@ class WholeScoresLossPass(InPlacePass):
             return False
         scores_user, scores = loss, loss.inputs[0]
         if loss.op_type == "NegativeLogLikelihoodLoss":
-            log_softmax = _producer(scores, "LogSoftmax")
-            if log_softmax is None or not _only_use(scores, graph, loss):
+            log_softmax = producer(scores, "LogSoftmax")
+            if log_softmax is None or not only_use(scores, graph, loss):
                 return False
             axis = log_softmax.attributes.get("axis")  # on 2-D scores every default is the last
             if axis is not None and axis.as_int() not in (1, -1):
                 return False
             scores_user, scores = log_softmax, log_softmax.inputs[0]
-        reshape = _producer(scores, "Reshape")
-        if reshape is None or not _only_use(scores, graph, scores_user):
+        reshape = producer(scores, "Reshape")
+        if reshape is None or not only_use(scores, graph, scores_user):
             return False
-        target = _const(reshape.inputs[1])  # [n, C]; a 0 (copy a dim, or an empty tensor) is not
+        target = const_array(reshape.inputs[1])  # [n, C]; a 0 (copy a dim, or an empty tensor) is not
         sliced = reshape.inputs[0]
-        slice_node = _producer(sliced, "Slice")
+        slice_node = producer(sliced, "Slice")
         if (slice_node is None or target is None or target.shape != (2,) or target[1] <= 0
-                or target[0] == 0 or not _only_use(sliced, graph, reshape)):
+                or target[0] == 0 or not only_use(sliced, graph, reshape)):
             return False
         x = slice_node.inputs[0]
         assert x is not None

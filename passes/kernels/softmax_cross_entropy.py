@@ -20,6 +20,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from passes.kernels._graph import take_over
+
 
 class SplitSoftmaxCrossEntropyPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
@@ -55,20 +57,8 @@ class SplitSoftmaxCrossEntropyPass(InPlacePass):
         graph.insert_before(node, [log_softmax, nll])
         new_loss = nll.outputs[0]
         new_loss.type, new_loss.shape = loss.type, loss.shape
-        _take_over(graph, loss, new_loss)
+        take_over(graph, loss, new_loss)
         if log_prob is not None:
-            _take_over(graph, log_prob, lp)
+            take_over(graph, log_prob, lp)
         graph.remove(node, safe=True)
 
-
-def _take_over(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
-    """``new`` replaces ``old`` everywhere, graph outputs included, under ``old``'s name."""
-    name = old.name
-    meta = dict(old.metadata_props)
-    for i, out in enumerate(graph.outputs):
-        if out is old:
-            graph.outputs[i] = new
-    ir.convenience.replace_all_uses_with(old, new)
-    old.name = None
-    new.name = name
-    new.metadata_props.update(meta)

@@ -106,8 +106,7 @@ def _adam_hf_update(b: OpBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[s
     return w, {"exp_avg": m, "exp_avg_sq": v}
 
 
-# exp_avg_sq is NaN/inf whenever the gradient is (g * g), and finite exp_avg_sq bounds the step:
-# |m_hat| / (sqrt(v_hat) + eps) is at most (1 - beta1) / sqrt(1 - beta2) (Kingma & Ba, 2.1), so a
-# finite learning rate gives a finite weight.
+# exp_avg_sq is NaN/inf whenever the gradient or its square is (g * g); a finite gradient keeps
+# exp_avg (its running average) finite. The new weight is checked too (a huge learning rate).
 optimizer_rule(AdamConfig, fusable="elementwise", finite_witness="exp_avg_sq")(adam_update)
 optimizer_rule(AdamWConfig, fusable="elementwise", finite_witness="exp_avg_sq")(adam_update)

@@ -50,11 +50,11 @@ def optimizer_rule(config_type: type[OptimizerConfig], fusable: str | None = Non
     """Register ``fn`` as the update rule of ``config_type`` (keyed by type and by its name);
     ``fusable``: one of :data:`FUSABLE_KINDS`, or None (the rule runs per tensor).
 
-    ``finite_witness``: the name of a new state whose being finite implies that the new weight
-    and every other new state are finite, given finite inputs, hyper-parameters and learning
-    rate (Adam's ``exp_avg_sq``: it is non-finite whenever the gradient is, and the step it
-    divides by bounds the update). The step's finite check (``skip_non_finite``) then reads
-    only that state: one pass over memory per weight instead of one per output. None: every
+    ``finite_witness``: the name of a new state whose being finite, with the new weight's,
+    implies that every other new state is finite, given finite inputs and hyper-parameters
+    (Adam's ``exp_avg_sq``: it is non-finite whenever the gradient or its square is, and a
+    finite gradient keeps ``exp_avg``, a running average of it, finite). The step's finite
+    check (``skip_non_finite``) then reads the new weight and that state only. None: every
     output is checked."""
     if fusable is not None and fusable not in FUSABLE_KINDS:
         raise ValueError(f"optimizer_rule(fusable=...) must be one of {FUSABLE_KINDS} or None; "

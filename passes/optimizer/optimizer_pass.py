@@ -17,7 +17,8 @@ gradient values from ``GradientPass``:
 5. with ``skip_non_finite`` (the default): the bool scalar output ``step_finite`` is true when
    the loss, the learning rate and every new weight and state are finite (a NaN/inf gradient,
    learning rate or hyper-parameter makes them non-finite; for a rule with a
-   ``finite_witness``, Adam's ``exp_avg_sq``, that state is read for all of its outputs); when it is false every ``X.out`` is ``X`` itself,
+   ``finite_witness``, Adam's ``exp_avg_sq``, the new weight and that state are read for all of
+   its outputs); when it is false every ``X.out`` is ``X`` itself,
    bit for bit (``Where(finite, new, old)``), the step counter included: the step is skipped.
    With ``select_in_graph=False`` the graph leaves that selection to its runtime: the
    ``X.out`` outputs carry ``gradgraph.valid_if = step_finite`` (:data:`VALID_IF_KEY`);
@@ -269,7 +270,11 @@ class OptimizerPass(InPlacePass):
         if s.loss_scale is not None:
             scaler = self._unscale(b, graph, unit_grads, add_input, add_output)
         if s.max_grad_norm is not None:
-            self._clip(b, unit_grads, add_output)
+            # The norm from each weight's own gradient, in one order, whatever the fusing (a
+            # fused unit's sum of squares would add in another order): fused and per-tensor
+            # updates then clip by the same factor. Under a loss scale, from the unscaled units.
+            parts = list(unit_grads.values()) if scaler is not None else [grads[w] for w in weights]
+            self._clip(b, unit_grads, parts, add_output)
         lr = add_input(names.learning_rate, None, ir.DataType.FLOAT)
         step = add_input(names.step, None, ir.DataType.INT64)
         sc = StepScalars(b, lr, step)
@@ -289,7 +294,7 @@ class OptimizerPass(InPlacePass):
             new_w, new_state = rule_for(cfg)(b, cfg, w_var, unit_grads[i], state, sc, unit.lr_scale, **extra)
             updates.append(_Update(new_w, w_var, [(names.out(w), inputs[w]) for w in unit.weights], unit))
             witness = finite_witness(cfg)
-            checked += [new_state[witness]] if witness in new_state else [new_w, *new_state.values()]
+            checked += [new_w, new_state[witness]] if witness in new_state else [new_w, *new_state.values()]
             for k, v in new_state.items():
                 old = state[k]
                 updates.append(_Update(v, old, [(names.out(names.state(w, k)), inputs[w])
@@ -355,11 +360,11 @@ class OptimizerPass(InPlacePass):
         add_output(new_scale, names.out(names.loss_scale), None, f32)
         add_output(stable, names.out(names.stable_steps), None, ir.DataType.INT64)
 
-    def _clip(self, b: OpBuilder, grads: dict[Any, Var], add_output: Any) -> None:
+    def _clip(self, b: OpBuilder, grads: dict[Any, Var], parts: list[Var], add_output: Any) -> None:
+        """Scale ``grads`` by ``min(1, max_norm / (norm + eps))``, the norm that of ``parts``."""
         s = self.settings.update
         f32 = ir.DataType.FLOAT
-        squares = [b.cast_to(b.reduce("ReduceSumSquare", g, None, keepdims=0), f32)
-                   for g in grads.values()]
+        squares = [b.cast_to(b.reduce("ReduceSumSquare", g, None, keepdims=0), f32) for g in parts]
         total = b.Sqrt(squares[0] if len(squares) == 1 else b.Sum(*squares))
         coef = b.Min(b.const(s.max_grad_norm, f32) / (total + s.clip_eps), b.const(1.0, f32))
         for w, g in grads.items():

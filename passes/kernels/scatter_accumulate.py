@@ -1,0 +1,96 @@
+"""ScatterAddIntoSumPass: ``Sum(A, ScatterND(zeros, I, U, reduction="add"))`` computed as
+``ScatterND(A, I, U, reduction="add")``.
+
+A weight read both by a Gather (an embedding lookup) and elsewhere (a tied output projection)
+gets the Gather's gradient as a scatter-add into zeros, summed with the other uses' gradient. The
+scatter-add can start from that gradient instead: no zero tensor, no extra pass of Sum over the
+weight's size (on the BERT-like benchmark model's [8192, 256] embedding, the Sum took 1.28 ms
+and the zero-filled scatter 1.05 ms of a training step, tools/profile_training.py).
+
+Rewritten when the scatter's data is ``ConstantOfShape`` of zero read only there, the scatter
+is read only by the Sum, and every input of the Sum has the Sum's (known, static) shape; when
+such a Sum is found with shapes missing (gradient values), they are inferred first
+(:func:`passes.shapes.infer_missing_shapes`, only then: it costs a shape inference of the whole
+graph). Values agree to rounding (the additions happen in another order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from passes.kernels._graph import DEFAULT_DOMAINS, only_use, producer, take_over
+from passes.shapes import infer_missing_shapes
+
+
+def _zeros(value: ir.Value | None, graph: ir.Graph, consumer: ir.Node) -> bool:
+    fill = producer(value, "ConstantOfShape")
+    if fill is None or not only_use(value, graph, consumer):
+        return False
+    attr = fill.attributes.get("value")
+    return attr is None or not np.any(attr.as_tensor().numpy())
+
+
+def _static(value: ir.Value | None) -> tuple[int, ...] | None:
+    if value is None or value.shape is None or not all(isinstance(d, int) for d in value.shape):
+        return None
+    return tuple(int(d) for d in value.shape)  # type: ignore[arg-type]
+
+
+class ScatterAddIntoSumPass(InPlacePass):
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        candidates = [node for node in graph if node.op_type == "Sum" and node.domain in DEFAULT_DOMAINS
+                      and len(node.inputs) > 1 and _scatter_input(graph, node) is not None]
+        if any(_static(v) is None for node in candidates for v in [*node.inputs, node.outputs[0]]):
+            infer_missing_shapes(model)  # gradient values: their shapes were not written
+        modified = False
+        for node in candidates:
+            modified = self._rewrite(graph, node) or modified
+        return PassResult(model, modified)
+
+    @staticmethod
+    def _rewrite(graph: ir.Graph, total: ir.Node) -> bool:
+        shape = _static(total.outputs[0])
+        if shape is None or any(_static(v) != shape for v in total.inputs):
+            return False
+        found = _scatter_input(graph, total)
+        if found is not None:
+            index, scatter = found
+            others = [v for i, v in enumerate(total.inputs) if i != index]
+            start = others[0]
+            new_nodes: list[ir.Node] = []
+            if len(others) > 1:
+                partial = ir.Node("", "Sum", others, name=f"{total.name}/others",
+                                  metadata_props=dict(total.metadata_props))
+                partial.outputs[0].type, partial.outputs[0].shape = total.outputs[0].type, total.outputs[0].shape
+                partial.outputs[0].name = f"{total.outputs[0].name}/others"
+                new_nodes.append(partial)
+                start = partial.outputs[0]
+            fill = scatter.inputs[0].producer() if scatter.inputs[0] is not None else None
+            accumulate = ir.Node("", "ScatterND", [start, scatter.inputs[1], scatter.inputs[2]],
+                                 [ir.AttrString("reduction", "add")], name=f"{total.name}/scatter_add",
+                                 metadata_props=dict(scatter.metadata_props))
+            out = accumulate.outputs[0]
+            out.type, out.shape = total.outputs[0].type, total.outputs[0].shape
+            new_nodes.append(accumulate)
+            graph.insert_before(total, new_nodes)
+            take_over(graph, total.outputs[0], out)
+            graph.remove(total, safe=True)
+            graph.remove(scatter, safe=True)
+            if fill is not None:
+                graph.remove(fill, safe=True)
+            return True
+        return False
+
+
+def _scatter_input(graph: ir.Graph, total: ir.Node) -> tuple[int, ir.Node] | None:
+    """The input of the Sum ``total`` that is a zero-filled scatter-add read only there."""
+    for index, value in enumerate(total.inputs):
+        scatter = producer(value, "ScatterND")
+        reduction = scatter.attributes.get("reduction") if scatter is not None else None
+        if (scatter is not None and reduction is not None and reduction.as_string() == "add"
+                and only_use(value, graph, total) and _zeros(scatter.inputs[0], graph, scatter)):
+            return index, scatter
+    return None
