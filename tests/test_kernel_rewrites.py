@@ -314,3 +314,41 @@ def test_sum_leading_bias_gradient(dtype, dynamic) -> None:
     (db,) = session.run(["b_grad"], {"x": x})
     y = x.astype(np.float64) @ W + bias
     np.testing.assert_allclose(db, (2 * y).sum(axis=(0, 1)), rtol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+def test_rewrites_leave_edge_cases_alone() -> None:
+    """A log_prob that is a graph output keeps the sliced rows; a Sum reading the same scatter
+    twice is not a scatter into the other input; LayerNormalization with a float16 stash_type
+    keeps its single output (onnxruntime refuses its statistics as outputs then)."""
+    from passes.forward.expose_norm_stats import ExposeNormStatsPass
+    from passes.kernels import ScatterAddIntoSumPass, WholeScoresLossPass
+
+    model = _sliced_loss_model("sce", "mean", "causal", TensorProto.INT64, False, False)
+    loss = next(n for n in model.graph.node if n.name == "ce")
+    loss.output.append("log_prob")
+    model.graph.output.append(helper.make_tensor_value_info("log_prob", TensorProto.FLOAT, None))
+    assert not WholeScoresLossPass()(ir.from_proto(model)).modified
+
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+    twice = _single([helper.make_node("ConstantOfShape", ["shape"], ["zeros"], value=zero),
+                     helper.make_node("ScatterND", ["zeros", "idx", "upd"], ["s"], reduction="add"),
+                     helper.make_node("Sum", ["s", "s"], ["total"])],
+                    [helper.make_tensor_value_info("idx", TensorProto.INT64, [5, 1]),
+                     helper.make_tensor_value_info("upd", TensorProto.FLOAT, [5, 3])],
+                    [helper.make_tensor_value_info("total", TensorProto.FLOAT, [4, 3])],
+                    [onnx.numpy_helper.from_array(np.array([4, 3], np.int64), "shape")])
+    assert not ScatterAddIntoSumPass()(ir.from_proto(twice)).modified
+
+    for stash, exposed in ((None, True), (1, True), (10, False)):
+        attrs = {} if stash is None else {"stash_type": stash}
+        norm = _single([helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], **attrs)],
+                       [helper.make_tensor_value_info(n, TensorProto.FLOAT16, s)
+                        for n, s in (("x", [2, 4]), ("g", [4]), ("b", [4]))],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)])
+        ir_model = ir.from_proto(norm)
+        assert ExposeNormStatsPass()(ir_model).modified is exposed
+        if exposed:  # the float32 statistics run in onnxruntime
+            proto = ir.to_proto(ir_model)
+            x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float16)
+            feeds = {"x": x, "g": np.ones(4, np.float16), "b": np.zeros(4, np.float16)}
+            np.testing.assert_allclose(_run(proto, feeds)[0], _run(norm, feeds)[0], rtol=1e-3, atol=1e-3)

@@ -91,6 +91,7 @@ def _scatter_input(graph: ir.Graph, total: ir.Node) -> tuple[int, ir.Node] | Non
         scatter = producer(value, "ScatterND")
         reduction = scatter.attributes.get("reduction") if scatter is not None else None
         if (scatter is not None and reduction is not None and reduction.as_string() == "add"
-                and only_use(value, graph, total) and _zeros(scatter.inputs[0], graph, scatter)):
+                and only_use(value, graph, total) and sum(v is value for v in total.inputs) == 1
+                and _zeros(scatter.inputs[0], graph, scatter)):
             return index, scatter
     return None

@@ -24,7 +24,12 @@ Rewritten when all of these hold (anything else is left alone):
 * its scores are ``Reshape(Slice(X), [n, C])`` (constant shape without a 0, ``C`` the known last
   dim of ``X``), each used only there (torch's legacy and dynamo exports both write this);
 * the ``Slice`` has constant starts/ends/axes, steps of 1, and does not cut the last (class)
-  axis; a cut axis of unknown length needs a start >= 0 and an end < 0 (or "to the end").
+  axis; a cut axis of unknown length needs a start >= 0 and an end < 0 (or "to the end"), and
+  must be at least ``start - end`` long at run time (shorter, the original's slice would be
+  empty: the rewritten labels' Reshape fails instead).
+
+The cut-away rows' scores are now read: NaN or infinite scores there (which the original never
+read) give a NaN gradient instead of zero, and the step is then skipped as non-finite.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def _pads(slice_node: ir.Node, x: ir.Value) -> tuple[list[int], list[int]] | Non
             if e <= s:
                 return None  # an empty slice: left to the runtime
             begin[axis], end[axis] = s, dim - e
-        elif s >= 0 and (e < 0 or e >= _TO_END):
+        elif s >= 0 and (-_TO_END < e < 0 or e >= _TO_END):
             begin[axis], end[axis] = s, (-e if e < 0 else 0)
         else:
             return None
@@ -89,7 +94,7 @@ class WholeScoresLossPass(InPlacePass):
         reduction = loss.attributes.get("reduction")
         if ignore is None or (reduction is not None and reduction.as_string() not in ("mean", "sum")):
             return False
-        if len(loss.outputs) > 1 and loss.outputs[1].uses():
+        if len(loss.outputs) > 1 and (loss.outputs[1].uses() or loss.outputs[1].is_graph_output()):
             return False
         scores_user, scores = loss, loss.inputs[0]
         if loss.op_type == "NegativeLogLikelihoodLoss":
@@ -117,6 +122,9 @@ class WholeScoresLossPass(InPlacePass):
         labels = loss.inputs[1]
         if pads is None or labels is None or labels.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
             return False
+        info = np.iinfo(labels.dtype.numpy())
+        if not info.min <= ignore.as_int() <= info.max:
+            return False  # no label of this dtype can be the ignore_index
         begin, end = pads
         b = OpBuilder(opset)
         b.prefix = f"{loss.name or 'loss'}/whole_scores"
@@ -141,5 +149,7 @@ class WholeScoresLossPass(InPlacePass):
         loss.replace_input_with(1, flat.value)
         if scores_user is not loss:
             scores_user.outputs[0].shape = ir.Shape([None, int(target[1])])
+        if len(loss.outputs) > 1:  # an unread log_prob output now has every row
+            loss.outputs[1].shape = ir.Shape([None, int(target[1])])
         graph.remove([reshape, slice_node], safe=True)
         return True

@@ -7,7 +7,7 @@ Per weight ``w`` with gradient ``g``, learning rate ``lr`` and 1-based step ``t`
 3. ``denom = sqrt(v) / sqrt(1 - beta2 ** t) + eps``;
 4. ``w = w - lr / (1 - beta1 ** t) * m / denom``, computed as ``w - s * m / (sqrt(v) + e)`` with
    the scalars ``s = lr * sqrt(1 - beta2 ** t) / (1 - beta1 ** t)`` and ``e = eps * sqrt(1 - beta2 ** t)``
-   (the same value up to rounding, one pass over the tensors less).
+   (float32/float64 weights; the same value up to rounding, one pass over the tensors less).
 
 ``bias_correction=False`` drops both corrections. ``decay_after_update=True`` (AdamW only) is
 onnxruntime's ``weight_decay_mode=1``, HuggingFace's AdamW: ``w' = w - lr * sqrt(1 - beta2 ** t) /
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
+
+import onnx_ir as ir
 
 from passes.autodiff.builder import OpBuilder, Var
 from passes.autodiff.errors import GradientError
@@ -79,6 +81,11 @@ def adam_update(b: OpBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[str, 
     v = v * cfg.beta2 + g * g * (1.0 - cfg.beta2)
     if not cfg.bias_correction:
         return w - sc.cast(lr64, dt) * (m / (b.Sqrt(v) + cfg.eps)), {"exp_avg": m, "exp_avg_sq": v}
+    if dt not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
+        # float16/bfloat16 weights: eps * sqrt(bc2) can round to 0 where eps does not.
+        bc2 = sc.cast(b.Sqrt(sc.bias_correction(cfg.beta2)), dt)
+        denom = b.Sqrt(v) / bc2 + cfg.eps
+        return w - sc.cast(lr64 / sc.bias_correction(cfg.beta1), dt) * (m / denom), {"exp_avg": m, "exp_avg_sq": v}
     # lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), with sqrt(bc2) moved into the two scalars (float64):
     # one pass over memory less than dividing sqrt(v) by it.
     # The scalars are made once per graph for each (betas, eps, lr scale, dtype).
