@@ -110,6 +110,16 @@ def _to_torch(v: ort.OrtValue) -> torch.Tensor:
     return torch.from_dlpack(v)
 
 
+def _input_bytes(model: ir.Model) -> int:
+    """Bytes of the graph inputs of static shape (the weights, the example's inputs)."""
+    total = 0
+    for v in model.graph.inputs:
+        if v.shape is None or v.dtype is None or not all(isinstance(d, int) for d in v.shape):
+            continue
+        total += int(np.prod([int(d) for d in v.shape if isinstance(d, int)]) * v.dtype.itemsize)
+    return total
+
+
 class GraphRunner:
     """Forward and backward onnxruntime sessions of one model whose inputs are all fed by the caller.
 
@@ -147,7 +157,8 @@ class GraphRunner:
         if save_prefix:
             ir.save(split.forward, f"{save_prefix}_forward.onnx")
             ir.save(split.backward, f"{save_prefix}_backward.onnx")
-        release_free_memory()  # the export's and the build's garbage, before the sessions are laid out
+        # the export's and the build's garbage, before the sessions are laid out
+        release_free_memory(_input_bytes(model))
         self.forward = make_session(split.forward)
         backward = make_session(split.backward)
         self.backward = backward

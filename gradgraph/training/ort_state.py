@@ -190,14 +190,21 @@ class GraphRunner:
         return {name: arrays[name] for name in fetches}
 
 
-def release_free_memory() -> None:
+# Models whose weights take at least this many bytes get a full garbage collection before the
+# trim (it costs ~50 ms in a process that imported torch: worth it only where the memory is).
+COLLECT_ABOVE_BYTES = 16 << 20
+
+
+def release_free_memory(weight_bytes: int | None = None) -> None:
     """Give memory the C heap holds freed back to the system: Python's cyclic garbage is
     collected (the IR's nodes and values refer to each other, so a finished build is freed only
-    by the collector), then glibc's ``malloc_trim`` (nothing elsewhere). A training build frees
-    tens of MB of protobuf and IR objects that glibc keeps, and onnxruntime's arena, allocating
-    large blocks, never reuses them (the BERT-like benchmark's peak RSS: 64 MB lower with the
-    trim and the gradient-stage model dropped)."""
-    gc.collect()
+    by the collector; skipped when ``weight_bytes``, the model's, is below
+    :data:`COLLECT_ABOVE_BYTES`), then glibc's ``malloc_trim`` (nothing elsewhere). A training
+    build frees tens of MB of protobuf and IR objects that glibc keeps, and onnxruntime's arena,
+    allocating large blocks, never reuses them (the BERT-like benchmark's peak RSS: 64 MB lower
+    with the trim and the gradient-stage model dropped, 42 MB more with the collection)."""
+    if weight_bytes is None or weight_bytes >= COLLECT_ABOVE_BYTES:
+        gc.collect()
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -134,7 +134,8 @@ class TrainingSession:
             path_or_bytes, config, save_stages=save_stages, providers=self.providers)
         # The build's garbage goes back to the system before the state and the sessions are made
         # (else they are laid out around its holes: 20 MB more resident on the GPT-2-like model).
-        release_free_memory()
+        weight_bytes = sum(int(np.asarray(a).nbytes) for a in self.artifacts.initial.values())
+        release_free_memory(weight_bytes)
         device, device_id = _device_of(self.providers)
         self.store = StateStore(device, device_id)
         self._init_state()
@@ -163,7 +164,7 @@ class TrainingSession:
         # The gradient-stage model (with a copy of the weights) served the graph variants above;
         # what the build freed goes back to the system before the steps' arena grows.
         self.artifacts = dataclasses.replace(self.artifacts, gradient=None)
-        release_free_memory()
+        release_free_memory(weight_bytes)
 
     # ---- state --------------------------------------------------------------------------
     def _init_state(self) -> None:
