@@ -17,8 +17,11 @@ import onnx_ir as ir
 from passes.forward.fold_constants import FoldConstantsPass
 
 
-def _static(shape: ir.Shape | None) -> bool:
-    return shape is not None and all(isinstance(d, int) for d in shape)
+def static_shape(value: ir.Value | None) -> tuple[int, ...] | None:
+    """The value's shape when every dim is a known integer, else None."""
+    if value is None or value.shape is None or not all(isinstance(d, int) for d in value.shape):
+        return None
+    return tuple(int(d) for d in value.shape)  # type: ignore[arg-type]
 
 
 def infer_missing_shapes(model: ir.Model, replace_dynamic: bool = False) -> bool:
@@ -55,7 +58,7 @@ def infer_missing_shapes(model: ir.Model, replace_dynamic: bool = False) -> bool
             shape = ir.serde.deserialize_type_proto_for_shape(found)
             if not isinstance(value.type, ir.TensorType) or shape is None:
                 continue
-            if value.shape is None or (replace_dynamic and not _static(value.shape)):
+            if value.shape is None or (replace_dynamic and static_shape(value) is None):
                 value.shape = shape
     return True
 

@@ -21,7 +21,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.kernels._graph import DEFAULT_DOMAINS, only_use, producer, take_over
-from passes.shapes import infer_missing_shapes
+from passes.shapes import infer_missing_shapes, static_shape
 
 
 def _zeros(value: ir.Value | None, graph: ir.Graph, consumer: ir.Node) -> bool:
@@ -32,57 +32,47 @@ def _zeros(value: ir.Value | None, graph: ir.Graph, consumer: ir.Node) -> bool:
     return attr is None or not np.any(attr.as_tensor().numpy())
 
 
-def _static(value: ir.Value | None) -> tuple[int, ...] | None:
-    if value is None or value.shape is None or not all(isinstance(d, int) for d in value.shape):
-        return None
-    return tuple(int(d) for d in value.shape)  # type: ignore[arg-type]
-
-
 class ScatterAddIntoSumPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
-        candidates = [node for node in graph if node.op_type == "Sum" and node.domain in DEFAULT_DOMAINS
-                      and len(node.inputs) > 1 and _scatter_input(graph, node) is not None]
-        if any(_static(v) is None for node in candidates for v in [*node.inputs, node.outputs[0]]):
+        found = [(node, *match) for node in graph
+                 if node.op_type == "Sum" and node.domain in DEFAULT_DOMAINS and len(node.inputs) > 1
+                 and (match := _scatter_input(graph, node)) is not None]
+        if any(static_shape(v) is None for node, _, _ in found for v in [*node.inputs, node.outputs[0]]):
             infer_missing_shapes(model)  # gradient values: their shapes were not written
         modified = False
-        for node in candidates:
-            modified = self._rewrite(graph, node) or modified
+        for total, index, scatter in found:
+            shape = static_shape(total.outputs[0])
+            if shape is not None and all(static_shape(v) == shape for v in total.inputs):
+                self._rewrite(graph, total, index, scatter)
+                modified = True
         return PassResult(model, modified)
 
     @staticmethod
-    def _rewrite(graph: ir.Graph, total: ir.Node) -> bool:
-        shape = _static(total.outputs[0])
-        if shape is None or any(_static(v) != shape for v in total.inputs):
-            return False
-        found = _scatter_input(graph, total)
-        if found is not None:
-            index, scatter = found
-            others = [v for i, v in enumerate(total.inputs) if i != index]
-            start = others[0]
-            new_nodes: list[ir.Node] = []
-            if len(others) > 1:
-                partial = ir.Node("", "Sum", others, name=f"{total.name}/others",
-                                  metadata_props=dict(total.metadata_props))
-                partial.outputs[0].type, partial.outputs[0].shape = total.outputs[0].type, total.outputs[0].shape
-                partial.outputs[0].name = f"{total.outputs[0].name}/others"
-                new_nodes.append(partial)
-                start = partial.outputs[0]
-            fill = scatter.inputs[0].producer() if scatter.inputs[0] is not None else None
-            accumulate = ir.Node("", "ScatterND", [start, scatter.inputs[1], scatter.inputs[2]],
-                                 [ir.AttrString("reduction", "add")], name=f"{total.name}/scatter_add",
-                                 metadata_props=dict(scatter.metadata_props))
-            out = accumulate.outputs[0]
-            out.type, out.shape = total.outputs[0].type, total.outputs[0].shape
-            new_nodes.append(accumulate)
-            graph.insert_before(total, new_nodes)
-            take_over(graph, total.outputs[0], out)
-            graph.remove(total, safe=True)
-            graph.remove(scatter, safe=True)
-            if fill is not None:
-                graph.remove(fill, safe=True)
-            return True
-        return False
+    def _rewrite(graph: ir.Graph, total: ir.Node, index: int, scatter: ir.Node) -> None:
+        others = [v for i, v in enumerate(total.inputs) if i != index]
+        start = others[0]
+        new_nodes: list[ir.Node] = []
+        if len(others) > 1:
+            partial = ir.Node("", "Sum", others, name=f"{total.name}/others",
+                              metadata_props=dict(total.metadata_props))
+            partial.outputs[0].type, partial.outputs[0].shape = total.outputs[0].type, total.outputs[0].shape
+            partial.outputs[0].name = f"{total.outputs[0].name}/others"
+            new_nodes.append(partial)
+            start = partial.outputs[0]
+        fill = scatter.inputs[0].producer() if scatter.inputs[0] is not None else None
+        accumulate = ir.Node("", "ScatterND", [start, scatter.inputs[1], scatter.inputs[2]],
+                             [ir.AttrString("reduction", "add")], name=f"{total.name}/scatter_add",
+                             metadata_props=dict(scatter.metadata_props))
+        out = accumulate.outputs[0]
+        out.type, out.shape = total.outputs[0].type, total.outputs[0].shape
+        new_nodes.append(accumulate)
+        graph.insert_before(total, new_nodes)
+        take_over(graph, total.outputs[0], out)
+        graph.remove(total, safe=True)
+        graph.remove(scatter, safe=True)
+        if fill is not None:
+            graph.remove(fill, safe=True)
 
 
 def _scatter_input(graph: ir.Graph, total: ir.Node) -> tuple[int, ir.Node] | None:

@@ -43,7 +43,6 @@ from passes.kernels._graph import DEFAULT_DOMAINS, const_array, default_opset, o
 
 _LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 _TO_END = 2**62  # a Slice end at least this large means "to the end"
-_SHAPE_END_SINCE = 15  # Shape's start/end attributes
 
 
 def _pads(slice_node: ir.Node, x: ir.Value) -> tuple[list[int], list[int]] | None:
@@ -134,8 +133,7 @@ class WholeScoresLossPass(InPlacePass):
         whole = b.Reshape(b.wrap(x), b.const(np.array([-1, int(target[1])], dtype=np.int64)))
         whole.value.type = x.type
         whole.value.shape = ir.Shape([None, int(target[1])])
-        lead = (b.Shape(b.wrap(x), end=-1) if opset >= _SHAPE_END_SINCE
-                else b.Slice(b.Shape(b.wrap(x)), b.const(np.array([0])), b.const(np.array([-1]))))
+        lead = b.Slice(b.Shape(b.wrap(x)), b.const(np.array([0])), b.const(np.array([-1])))
         cut = b.const(np.array([p + q for p, q in zip(begin, end)], dtype=np.int64))
         kept = b.Reshape(b.wrap(labels), b.Sub(lead, cut))
         fill = b.const(np.array(ignore.as_int(), dtype=labels.dtype.numpy()))
