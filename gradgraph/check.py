@@ -52,13 +52,12 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 from onnx.reference import ReferenceEvaluator
-from onnx.reference.op_run import OpRun
-from onnx.reference.ops.op_conv_transpose import ConvTranspose as _StockConvTranspose
 from onnx_ir.passes import PassError
 
 from gradgraph.api import build_gradient_graph
 from gradgraph.feeds import check_feeds
 from gradgraph.io import load_model
+from gradgraph.reference_kernels import REFERENCE_OVERRIDES
 from passes.autodiff import GradientError
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
 from passes.forward.prepare import PrepareForGradientPass
@@ -249,103 +248,6 @@ def _has_stash_type(node: ir.Node, opsets: Mapping[str, int]) -> bool:
     except onnx.defs.SchemaError:
         return False
     return "stash_type" in schema.attributes
-
-
-# ---- the ONNX reference evaluator, with float64-exact kernels where the stock ones are not ----
-
-
-class Erf(OpRun):
-    """float64-exact Erf (the stock reference kernel computes in float32)."""
-
-    op_domain = ""
-
-    def _run(self, x):  # type: ignore[no-untyped-def]
-        return (np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype),)
-
-
-class Gelu(OpRun):
-    """float64-exact Gelu (the stock one is a function body whose Erf computes in float32)."""
-
-    op_domain = ""
-
-    def _run(self, x, approximate="none"):  # type: ignore[no-untyped-def]
-        if approximate == "tanh":
-            inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)
-            return ((0.5 * x * (1.0 + np.tanh(inner))).astype(x.dtype),)
-        erf = np.vectorize(math.erf, otypes=[np.float64])
-        return ((0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype),)
-
-
-class Mean(OpRun):
-    """Broadcasting Mean (the stock reference kernel adds in place into its first input)."""
-
-    op_domain = ""
-
-    def _run(self, *args):  # type: ignore[no-untyped-def]
-        return (np.asarray(sum(args) / len(args)).astype(args[0].dtype),)
-
-
-class Softsign(OpRun):
-    """Softsign that accepts 0-d inputs (the stock one returns a numpy scalar for them)."""
-
-    op_domain = ""
-
-    def _run(self, x):  # type: ignore[no-untyped-def]
-        return (np.asarray(x / (1.0 + np.abs(x))).astype(x.dtype),)
-
-
-class LayerNormalization(OpRun):
-    """LayerNormalization computed in the input's dtype (the stock one knows only stash float32)."""
-
-    op_domain = ""
-
-    def _run(self, x, scale, bias=None, axis=-1, epsilon=1e-5, stash_type=1):  # type: ignore[no-untyped-def]
-        axes = tuple(range(axis % x.ndim, x.ndim))
-        mean = x.mean(axis=axes, keepdims=True)
-        inv_std = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + epsilon)
-        y = (x - mean) * inv_std * scale + (0 if bias is None else bias)
-        return y.astype(x.dtype), mean.astype(x.dtype), inv_std.astype(x.dtype)
-
-
-class ConvTranspose(_StockConvTranspose):
-    """Grouped ConvTranspose as one ungrouped call per group (the stock grouping is broken)."""
-
-    op_domain = ""
-
-    def _run(self, x, w, bias=None, group=None, **attrs):  # type: ignore[no-untyped-def]
-        group = group or 1
-        if group == 1:
-            return super()._run(x, w, bias, group=1, **attrs)
-        xs, ws = np.split(x, group, axis=1), np.split(w, group, axis=0)
-        y = np.concatenate([super(ConvTranspose, self)._run(xg, wg, None, group=1, **attrs)[0]
-                            for xg, wg in zip(xs, ws)], axis=1)
-        if bias is not None:
-            y = y + bias.reshape((1, -1) + (1,) * (y.ndim - 2))
-        return (y.astype(x.dtype),)
-
-
-class GlobalMaxPool(OpRun):
-    """Max over the spatial axes (the stock kernel drops the channel axis)."""
-
-    op_domain = ""
-
-    def _run(self, x):  # type: ignore[no-untyped-def]
-        return (x.max(axis=tuple(range(2, x.ndim)), keepdims=True),)
-
-
-class GlobalAveragePool(OpRun):
-    """Mean over the spatial axes, keeping N and C."""
-
-    op_domain = ""
-
-    def _run(self, x):  # type: ignore[no-untyped-def]
-        return (x.mean(axis=tuple(range(2, x.ndim)), keepdims=True).astype(x.dtype),)
-
-
-# ReferenceEvaluator matches these to nodes by class name.
-REFERENCE_OVERRIDES: list[type[OpRun]] = [
-    ConvTranspose, Erf, Gelu, GlobalAveragePool, GlobalMaxPool, LayerNormalization, Mean, Softsign,
-]
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Interrupted `gradgraph train` runs never lose work: 30 SIGKILLs at random moments leave a
+"""Interrupted `gradgraph train` runs never lose work: 15 SIGKILLs at random moments leave a
 loadable checkpoint (or none yet) and temp files the next start removes; Ctrl-C saves a
 checkpoint and exits 130 with one line."""
 
@@ -21,7 +21,7 @@ from gradgraph.cli.train import CHECKPOINT_NAME
 from gradgraph.training.checkpoint import read_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-KILLS = 30
+KILLS = 15
 
 
 @pytest.fixture(scope="module")
