@@ -192,3 +192,57 @@ def test_check_leaves_torch_padding_rows_out(tmp_path: Path, capsys) -> None:
     # All 80 entries asked for; the 72 outside padding row 0 (10 rows x 8) are compared, row 0 is not.
     assert code == 0, out
     assert "emb.weight" in out and " 72 " in out
+
+
+class TiedLM(nn.Module):
+    """An output projection tied to the embedding: the exporter's optimizer keeps the weight for
+    the Gather and folds a transposed copy of it for the MatMul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.ln = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.relu(self.ln(self.emb(ids))))
+        return F.cross_entropy(logits.reshape(-1, 10), labels.reshape(-1))
+
+
+class KeptAndScaled(nn.Module):
+    """A parameter used as it is and, scaled, as a folded constant: that use cannot be undone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x * self.w) @ (self.w.unsqueeze(1) * 2.0)).sum()
+
+
+def test_a_kept_parameter_folded_for_another_use(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = TiedLM()
+    ids, labels = torch.randint(0, 10, (3, 5)), torch.randint(0, 10, (3, 5))
+    path = tmp_path / "tied.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (ids, labels), str(path), input_names=["ids", "labels"], output_names=["loss"])
+    module(ids, labels).backward()
+    rows = gradgraph.list_weights(path, "loss")
+    assert {r.name for r in rows if r.trained} == {"head.weight", "ln.weight", "ln.bias"}
+    grad_model = gradgraph.build_gradient_graph(path, "loss")
+    outputs = [o.name for o in grad_model.graph.output]
+    got = dict(zip(outputs, ort.InferenceSession(grad_model.SerializeToString()).run(
+        None, {"ids": ids.numpy(), "labels": labels.numpy()})))
+    want = module.emb.weight.grad.numpy()  # both uses: the Gather's and the projection's
+    np.testing.assert_allclose(got["head.weight_grad"], want, rtol=RTOL, atol=ATOL * float(np.abs(want).max()))
+
+    scaled = tmp_path / "scaled.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(KeptAndScaled(), (torch.randn(2, 6),), str(scaled), input_names=["x"],
+                          output_names=["loss"])
+    with pytest.raises(gradgraph.GradientError, match=r"\['w'\].*optimize=False"):
+        gradgraph.build_gradient_graph(scaled, "loss")

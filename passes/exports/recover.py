@@ -14,7 +14,7 @@ parameters as constants. Using the export signature (see :mod:`passes.exports.si
 4. any other parameter that the graph's FX calls or folded constants name but that is no longer
    an initializer (folded with other values, e.g. Conv+BatchNorm fusion; dropped because it
    was zero; or an initializer that kept its name but holds folded values) cannot be
-   recovered: with ``strict`` a :class:`GradientError` names them and the export option that
+   recovered a :class:`GradientError` names them and the export option that
    avoids the fold; otherwise they are listed in ``self.lost`` and in the graph's
    ``metadata_props[LOST_KEY]``.
 """
@@ -28,6 +28,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 from passes.autodiff.errors import GradientError
 from passes.exports.signature import TorchSignature, folded_from, fx_call
 
+_FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 # FX targets whose weight operand is used transposed (torch.nn.functional.linear).
 _LINEAR = frozenset({"aten.linear.default"})
 # Value metadata: how a parameter was recovered (also read by ClassifyWeightsPass).
@@ -71,9 +72,15 @@ class RecoverParametersPass(InPlacePass):
         modified = False
         fqn_placeholder = {fqn: p for p, fqn in placeholders.items()}
         restored: dict[str, ir.Value] = {}
+        # a parameter kept for one use and folded for another (a tied embedding and output
+        # projection): its transposed copy becomes Transpose of it
+        for fqn in placeholders.values():
+            kept = graph.initializers.get(fqn)
+            if kept is not None and kept.const_value is not None:
+                restored[fqn] = kept
         for name, value in list(graph.initializers.items()):
             sources = folded_from(value)
-            if len(sources) != 1 or value.const_value is None:
+            if len(sources) != 1 or value.const_value is None or sources[0] == name:
                 continue
             if sources[0] not in missing and sources[0] not in restored:
                 continue
@@ -84,7 +91,7 @@ class RecoverParametersPass(InPlacePass):
             if not calls or not linear or len(value.shape or ()) != 2:
                 continue
             data = np.ascontiguousarray(value.const_value.numpy().T)
-            if param in restored:  # another copy of the same parameter (a module used twice)
+            if param in restored:  # kept, or another copy of it (a module used twice): same values
                 if not np.array_equal(restored[param].const_value.numpy(), data):  # type: ignore[union-attr]
                     continue
             else:
@@ -170,9 +177,14 @@ class RecoverParametersPass(InPlacePass):
             if call is not None:
                 named.update(placeholders[p] for p in call.placeholders() if p in placeholders)
         refolded = []
+        parameters = set(placeholders.values())
         for name, value in graph.initializers.items():
             sources = folded_from(value)
             named.update(s for s in sources if s in missing)
-            if name in placeholders.values() and sources:
+            if name in parameters and sources:
                 refolded.append(name)  # kept a parameter's name, holds folded values
+            elif value.uses() and value.dtype in _FLOATS:
+                # a constant folded from a parameter the graph still has (used elsewhere):
+                # this use would get no gradient
+                refolded.extend(s for s in sources if s in parameters and s in graph.initializers)
         self.lost = sorted((missing & named) | set(refolded) | self.fused)
