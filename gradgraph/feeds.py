@@ -64,6 +64,14 @@ def load_npz(path: str, what: str = "inputs file") -> dict[str, np.ndarray]:
 
     if not Path(path).is_file():
         raise InputError(f"{what} {path!r} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic.startswith(b"\x93NUMPY"):
+        raise InputError(f"{what} {path!r} is one .npy array, not an .npz archive; write the arrays "
+                         "named after the model inputs with numpy.savez(path, name=array, ...)")
+    if not magic.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # a zip file (an empty one too)
+        raise InputError(f"{what} {path!r} is not an .npz archive (a zip of .npy arrays, as "
+                         "numpy.savez writes)")
     try:
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}

@@ -130,13 +130,24 @@ def remove_stale_temps(target: str | os.PathLike) -> list[Path]:
     return stale
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # read by setting it; put back at once
+    os.umask(mask)
+    return mask
+
+
 def _new_temp_beside(target: Path) -> tuple[int, str, list[Path]]:
     """(fd, name, folders created) of a new, unique temp file beside ``target``; its folder is
     created if missing (and removed again if the temp file cannot be made: a WriteError)."""
+    if target.is_dir():
+        raise WriteError(f"cannot write {str(target)!r}: it is a folder; give a file name (nothing was "
+                         "written)")
     created = _missing_folders(target.parent)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=target.parent)
+        # mkstemp makes the file private (0600): give it what open() would, 0666 less the umask
+        os.fchmod(fd, 0o666 & ~_umask())
     except OSError as exc:
         _remove_empty(created)
         raise _write_error(target, exc) from exc
@@ -317,6 +328,7 @@ def staged_folder(target: str | os.PathLike,
         remove_stale_staging(target)
         tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target, inside)}{os.getpid()}-",
                                     suffix=TEMP_SUFFIX, dir=home))
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's folder is private (0700); the target is not
     except OSError as exc:
         _remove_empty(created)
         raise _write_error(target, exc) from exc

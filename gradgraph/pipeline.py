@@ -50,6 +50,7 @@ class StageReport:
     modified: bool
     before: collections.Counter[str]
     after: collections.Counter[str]
+    index: int = 0  # the stage's number (its saved file is ``<index>_<name>.onnx``)
 
     def changes(self) -> str:
         added = self.after - self.before
@@ -98,7 +99,7 @@ class Pipeline:
                     except PassError as exc:
                         raise unwrap_pass_errors(exc) from exc
                     model, modified = result.model, modified or result.modified
-                self.reports.append(StageReport(stage.name, modified, before, op_counts(model)))
+                self.reports.append(StageReport(stage.name, modified, before, op_counts(model), index))
                 if folder is not None:
                     name = f"{index:02d}_{stage.name}.onnx"
                     save_model(model, folder / name)

@@ -8,6 +8,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gradgraph.cli.common import (
     add_list_weights,
@@ -19,6 +20,9 @@ from gradgraph.cli.common import (
     weights_arg,
 )
 from gradgraph.feeds import InputError
+
+if TYPE_CHECKING:
+    from gradgraph.training.build import TrainingArtifacts
 
 SUMMARY_NAME = "summary.txt"
 
@@ -78,6 +82,22 @@ def config_from_args(args: argparse.Namespace) -> object:
         raise InputError(str(exc)) from exc
 
 
+def _check_dims(dims: dict[str, int], artifacts: TrainingArtifacts) -> None:
+    """--dim names a symbolic dimension of the graphs (else it sizes nothing: a typo)."""
+    import onnx_ir as ir
+
+    from gradgraph.training.build import symbolic_dims
+    from gradgraph.validate import close_matches
+
+    graphs = [g for g in (artifacts.gradient, artifacts.eval) if g is not None]
+    known = set().union(*(symbolic_dims(ir.from_proto(g)) for g in graphs))
+    for name in dims:
+        if name not in known:
+            listed = ", ".join(sorted(known)) or "none: every dimension is a number"
+            raise InputError(f"--dim {name}=...: the model has no symbolic dimension {name!r}"
+                             f"{close_matches(name, known)} (its symbolic dimensions: {listed})")
+
+
 def _replaced(name: str) -> bool:
     """Files of an earlier build in --save-stages DIR that this build replaces."""
     from gradgraph.pipeline import is_stage_file
@@ -106,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, debug=dataclasses.replace(  # type: ignore[type-var]
             config.debug, save_stages=str(folder)))  # type: ignore[attr-defined]
         artifacts = build_training_artifacts(args.model, config)  # type: ignore[arg-type]
+        _check_dims(dims, artifacts)
         text = summary_text(artifacts, dims)
         atomic_write_bytes(folder / SUMMARY_NAME, text.encode())
         stages = sorted(p.name for p in folder.glob("*.onnx"))

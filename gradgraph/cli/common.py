@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 from gradgraph.feeds import InputError
 from gradgraph.training.checkpoint import CheckpointError
@@ -32,11 +34,19 @@ STATUS_FILE_ENV = "GRADGRAPH_RANK0_STATUS"
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Run a parsed sub-command; user mistakes print one line and return 2."""
+    """Run a parsed sub-command; user mistakes print one line and return 2, gradgraph's
+    warnings one line each."""
     # a data-parallel rank other than 0 leaves the messages to rank 0 (they would repeat)
     quiet = os.environ.get("RANK", "0") != "0"
+
+    def one_line(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+        if not quiet:
+            print(f"gradgraph {args.command}: warning: {message}", file=sys.stderr)
+
     try:
-        status = int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line
+            status = int(args.func(args) or 0)
     except (GradientError, InputError, CheckpointError) as exc:
         if not quiet:
             print(f"gradgraph {args.command}: error: {exc}", file=sys.stderr)
@@ -93,14 +103,16 @@ def add_pass_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["gelu", "attn_dropout", "transformer_layers"],
                    help="recompute patterns (the reference's gelu_recompute, "
                         "attn_dropout_recompute, transformer_layer_recompute)")
-    p.add_argument("--recompute-layers", type=int, default=0,
-                   help="number_recompute_layers (0: all layers but the last)")
+    p.add_argument("--recompute-layers", type=int, default=None,
+                   help="number_recompute_layers, with --recompute transformer_layers (0, the default: "
+                        "all layers but the last)")
     p.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
                    help="recompute planner: bytes of activations the backward may keep")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
                    help="a value for a symbolic dimension, to size tensors (repeatable)")
     p.add_argument("--cast-level", type=int, default=-1,
-                   help="propagate_cast_ops level 0/1/2 (default -1: off)")
+                   help="propagate_cast_ops level 0/1/2 (default -1: off; as onnxruntime's, a negative "
+                        "level is off and a level above 2 is 2)")
     p.add_argument("--cast-strategy", default="FLOOD_FILL",
                    choices=["NONE", "INSERT_AND_REDUCE", "FLOOD_FILL"])
     p.add_argument("--cast-allow", nargs="*", default=[], metavar="OP",
@@ -125,6 +137,9 @@ def pass_groups(args: argparse.Namespace) -> dict[str, object]:
     from gradgraph.training import options as opts
 
     recompute = None
+    if args.recompute_layers is not None and "transformer_layers" not in args.recompute:
+        raise InputError("--recompute-layers sets how many transformer layers are recomputed: it needs "
+                         "--recompute transformer_layers")
     if args.recompute or args.memory_budget is not None:
         from passes.recompute import RecomputeOptions
 
@@ -132,7 +147,7 @@ def pass_groups(args: argparse.Namespace) -> dict[str, object]:
             recompute = RecomputeOptions(
                 gelu="gelu" in args.recompute, attn_dropout="attn_dropout" in args.recompute,
                 transformer_layers="transformer_layers" in args.recompute,
-                number_recompute_layers=args.recompute_layers, memory_budget=args.memory_budget,
+                number_recompute_layers=args.recompute_layers or 0, memory_budget=args.memory_budget,
                 dims=tuple(sorted(dims_arg(args.dim).items())))
         except ValueError as exc:
             raise InputError(f"recompute options: {exc}") from exc

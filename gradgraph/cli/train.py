@@ -338,6 +338,16 @@ def run(args: argparse.Namespace) -> int:
         path = ckpt_dir / CHECKPOINT_NAME
         losses = _resumed_losses(session.load_checkpoint(path).get("losses", []), path)
     resumed_from = len(losses)
+    last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+    if args.resume and session.step > args.steps:
+        raise InputError(f"--resume: the checkpoint in {str(ckpt_dir)!r} is at step {session.step}, past "
+                         f"--steps {args.steps}; give --steps above {session.step} to train on")
+    if args.resume and session.step >= last:
+        if rank == 0:
+            print(f"gradgraph train: the checkpoint in {ckpt_dir}/ is already at step {session.step} "
+                  f"(--{'steps' if last == args.steps else 'stop-at'} {last}); nothing to train",
+                  file=sys.stderr)
+        return 0
 
     def checkpoint() -> None:
         if ckpt_dir is not None and rank == 0:
@@ -348,7 +358,6 @@ def run(args: argparse.Namespace) -> int:
                mininterval=0.5 if sys.stderr.isatty() else 5.0)
     start, done, in_a_row = time.perf_counter(), 0, 0
     micro = session.step * args.accumulate + session.micro_step
-    last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
     status = 0
     try:
         while session.step < last:

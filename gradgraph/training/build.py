@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from onnx_ir.passes import InPlacePass, PassBase, PassResult
 from gradgraph.io import load_model, staged_folder
 from gradgraph.pipeline import Pipeline, Stage, StageReport, is_stage_file
 from gradgraph.training.options import TrainingConfig
-from gradgraph.validate import check_names, unknown_names
+from gradgraph.validate import check_names, close_matches, unknown_names
 from passes.autodiff import GradientError, GradientOptions
 from passes.autodiff.gradient_pass import GradientPass
 from passes.exports import KIND_KEY, WeightKind
@@ -262,6 +263,49 @@ def _check_update(config: TrainingConfig) -> None:
                             f"got {clip!r}")
 
 
+def symbolic_dims(model: ir.Model) -> set[str]:
+    """The names of the symbolic dimensions of the model's values."""
+    values = [*model.graph.inputs, *model.graph.outputs,
+              *(o for n in ir.traversal.RecursiveGraphIterator(model.graph) for o in n.outputs)]
+    return {str(d.value) for v in values if v.shape is not None for d in v.shape
+            if isinstance(d, ir.SymbolicDim) and d.value}
+
+
+def _check_pass_names(config: TrainingConfig, model: ir.Model) -> None:
+    """Names the pass options give that the model lacks: a symbolic dimension is an error, an
+    op type of the cast allow list a warning (an op may appear only once functions are inlined)."""
+    recompute = config.graph_transformer.recompute
+    if recompute is not None and recompute.dims:
+        known = symbolic_dims(model)
+        for name, _ in recompute.dims:
+            if name not in known:
+                listed = ", ".join(sorted(known)) or "none: every dimension is a number"
+                raise GradientError(f"recompute dims: the model has no symbolic dimension {name!r}"
+                                    f"{close_matches(name, known)} (its symbolic dimensions: {listed})")
+    cast = config.graph_transformer.propagate_cast_ops
+    if cast.enabled and cast.allow:
+        ops = {n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph)}
+        ops |= {n.op_type for f in model.functions.values() for n in f}
+        for op in cast.allow:
+            if op not in ops:
+                warnings.warn(f"propagate_cast_ops allow list: no node of the model is a {op!r}"
+                              f"{close_matches(op, ops)}; it allows nothing (op types are "
+                              "case-sensitive)", UserWarning, stacklevel=4)
+
+
+def _warn_unmatched_groups(config: TrainingConfig, trained: Sequence[str]) -> None:
+    for index, group in enumerate(config.update.groups):
+        if not any(group.matches(w) for w in trained):
+            warnings.warn(f"parameter group {index} {list(group.patterns)} matches no trained weight; its "
+                          f"settings apply to nothing (trained weights: {_few(trained)})", UserWarning,
+                          stacklevel=3)
+
+
+def _few(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
 def _check_config(config: TrainingConfig, model: ir.Model) -> list[str] | None:
     _check_update(config)
     check_names("weights_not_to_train", config.weights_not_to_train)
@@ -271,6 +315,7 @@ def _check_config(config: TrainingConfig, model: ir.Model) -> list[str] | None:
     for what, listed in (("weights_not_to_train", config.weights_not_to_train),
                          ("weights_to_train", config.weights_to_train or ())):
         unknown_names(what, listed, known)
+    _check_pass_names(config, model)
     excluded = set(config.weights_not_to_train)
     return None if config.weights_to_train is None else [
         w for w in config.weights_to_train if w not in excluded]
@@ -325,6 +370,7 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
         front = Pipeline(stages)
         front.run(source, save_dir=folder, on_stage=keep)
         reports = list(front.reports)
+        _warn_unmatched_groups(config, trained_set.trained)
         params = trained_set.trained + trained_set.frozen + trained_set.buffers
 
         def variant(stage: Stage, index: int) -> onnx.ModelProto:

@@ -51,9 +51,9 @@ def _shape(value: ir.Value) -> str:
 
 def summary_text(artifacts: TrainingArtifacts, dims: Mapping[str, int] | None = None) -> str:
     lines = ["gradgraph build summary", ""]
-    for index, report in enumerate(artifacts.reports):
+    for report in artifacts.reports:
         state = "changed" if report.modified else "unchanged"
-        lines.append(f"{index:02d} {report.name} ({state}; {sum(report.after.values())} nodes): "
+        lines.append(f"{report.index:02d} {report.name} ({state}; {sum(report.after.values())} nodes): "
                      f"{report.changes()}")
     lines.append("")
     if artifacts.stash_before_recompute is not None:

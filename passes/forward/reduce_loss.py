@@ -34,8 +34,9 @@ class ReduceLossPass(InPlacePass):
             value = next((o for n in graph for o in n.outputs if o.name == self.loss), None)
         if value is None:
             outputs = ", ".join(repr(v.name) for v in graph.outputs)
-            raise GradientError(f"loss {self.loss!r} is not a tensor of the graph; graph outputs "
-                                f"are: {outputs}")
+            kind = ("a graph input; the loss must be computed by the graph" if any(
+                v.name == self.loss for v in graph.inputs) else "not a tensor of the graph")
+            raise GradientError(f"loss {self.loss!r} is {kind}; graph outputs are: {outputs}")
         if value.dtype is not None and value.dtype not in FLOAT_TYPES:
             raise GradientError(f"loss {self.loss!r} has type {value.dtype.name}; the loss must be a "
                                 "floating-point tensor (float, float16, bfloat16 or double)")

@@ -1,0 +1,132 @@
+"""CLI details a new user met: file permissions of what is written, a folder given as an output
+file, a data file that is not an .npz, a resume at or past --steps, option values that name
+nothing in the model (an error where they would size nothing, a warning where they would
+allow or match nothing), a loss named by a graph input, the summary's stage numbers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import gradgraph
+from gradgraph.cli.main import main as cli_main
+from gradgraph.cli.train import CHECKPOINT_NAME
+
+EXAMPLE = Path(gradgraph.__file__).parent / "examples" / "mlp.onnx"
+
+
+def _data(path: Path, rows: int = 32) -> Path:
+    rng = np.random.default_rng(0)
+    np.savez(path, x=rng.standard_normal((rows, 16)).astype(np.float32),
+             labels=rng.integers(0, 4, rows).astype(np.int64))
+    return path
+
+
+def _train(data: Path, *extra: str) -> list[str]:
+    return ["train", str(EXAMPLE), "--loss", "loss", "--data", str(data), "--batch-size", "8", "--quiet", *extra]
+
+
+def _error(err: str, command: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith(f"gradgraph {command}: error: "), err
+    return lines[0]
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_outputs_follow_the_umask(tmp_path: Path, umask_022, capsys) -> None:
+    out = tmp_path / "g.onnx"
+    assert cli_main(["grad", str(EXAMPLE), "--loss", "loss", "-o", str(out)]) == 0
+    assert out.stat().st_mode & 0o777 == 0o644
+    stages = tmp_path / "stages"
+    assert cli_main(["build", str(EXAMPLE), "--loss", "loss", "--save-stages", str(stages)]) == 0
+    assert stages.stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in stages.iterdir()} == {0o644}
+    run = tmp_path / "run"
+    assert cli_main(_train(_data(tmp_path / "d.npz"), "--steps", "2", "--checkpoint-dir", str(run))) == 0
+    assert {p.stat().st_mode & 0o777 for p in run.iterdir()} == {0o644}
+
+
+def test_a_folder_as_output_file(tmp_path: Path, capsys) -> None:
+    assert cli_main(["grad", str(EXAMPLE), "--loss", "loss", "-o", str(tmp_path)]) == 2
+    line = _error(capsys.readouterr().err, "grad")
+    assert "is a folder" in line and ".tmp" not in line
+
+
+@pytest.mark.parametrize("content, said", [(b"garbage", "is not an .npz archive"),
+                                           (None, "is one .npy array, not an .npz archive")])
+def test_a_data_file_that_is_not_an_npz(tmp_path: Path, content: bytes | None, said: str, capsys) -> None:
+    bad = tmp_path / "bad.npz"
+    if content is None:
+        with open(bad, "wb") as f:
+            np.save(f, np.zeros(3))
+    else:
+        bad.write_bytes(content)
+    assert cli_main(_train(bad, "--steps", "2")) == 2
+    line = _error(capsys.readouterr().err, "train")
+    assert said in line and "pickle" not in line
+
+
+def test_resume_at_or_past_the_steps(tmp_path: Path, capsys) -> None:
+    data, run = _data(tmp_path / "d.npz"), tmp_path / "run"
+    assert cli_main(_train(data, "--steps", "3", "--checkpoint-dir", str(run))) == 0
+    capsys.readouterr()
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    assert cli_main(_train(data, "--steps", "2", "--checkpoint-dir", str(run), "--resume")) == 2
+    line = _error(capsys.readouterr().err, "train")
+    assert "at step 3, past --steps 2" in line
+    assert cli_main(_train(data, "--steps", "3", "--checkpoint-dir", str(run), "--resume")) == 0
+    assert "already at step 3" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before  # nothing rewritten
+    assert cli_main(_train(data, "--steps", "4", "--checkpoint-dir", str(run), "--resume")) == 0
+    assert gradgraph.training.checkpoint.read_checkpoint(run / CHECKPOINT_NAME)[1]["step"] == 4
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--dim", "nosuch=3"], "no symbolic dimension 'nosuch' (its symbolic dimensions: batch)"),
+    (["--dim", "btach=3"], "did you mean 'batch'"),
+    (["--recompute-layers", "2"], "needs --recompute transformer_layers"),
+])
+def test_options_that_size_nothing_are_errors(tmp_path: Path, flags: list[str], said: str, capsys) -> None:
+    out = tmp_path / "stages"
+    assert cli_main(["build", str(EXAMPLE), "--loss", "loss", "--save-stages", str(out), *flags]) == 2
+    assert said in _error(capsys.readouterr().err, "build")
+    assert not out.exists()
+
+
+def test_options_that_match_nothing_warn(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "stages"
+    assert cli_main(["build", str(EXAMPLE), "--loss", "loss", "--save-stages", str(out), "--cast-level", "1",
+                     "--cast-allow", "relu"]) == 0
+    err = capsys.readouterr().err
+    assert "gradgraph build: warning: propagate_cast_ops allow list: no node of the model is a 'relu' " \
+           "(did you mean 'Relu'?)" in err
+    assert cli_main(_train(_data(tmp_path / "d.npz"), "--steps", "1", "--weight-decay", "0.1",
+                           "--no-decay", "zzz*")) == 0
+    assert "gradgraph train: warning: parameter group 0 ['zzz*'] matches no trained weight" in capsys.readouterr().err
+    assert cli_main(_train(_data(tmp_path / "d.npz"), "--steps", "1", "--weight-decay", "0.1",
+                           "--no-decay", "*bias")) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_loss_named_by_a_graph_input(tmp_path: Path, capsys) -> None:
+    assert cli_main(["grad", str(EXAMPLE), "--loss", "x", "-o", str(tmp_path / "g.onnx")]) == 2
+    assert "'x' is a graph input; the loss must be computed by the graph" in _error(capsys.readouterr().err, "grad")
+
+
+def test_summary_numbers_are_the_file_numbers(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "stages"
+    assert cli_main(["build", str(EXAMPLE), "--loss", "loss", "--save-stages", str(out)]) == 0
+    numbered = {line.split()[0] + "_" + line.split()[1] for line in (out / "summary.txt").read_text().splitlines()
+                if line[:2].isdigit()}
+    assert numbered == {p.stem for p in out.glob("*.onnx")}
+    assert all(onnx.load(str(p)) is not None for p in out.glob("*.onnx"))
