@@ -246,3 +246,34 @@ def test_a_kept_parameter_folded_for_another_use(tmp_path: Path) -> None:
                           output_names=["loss"])
     with pytest.raises(gradgraph.GradientError, match=r"\['w'\].*optimize=False"):
         gradgraph.build_gradient_graph(scaled, "loss")
+
+
+class ScalarHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.out(torch.tanh(self.fc(x))).squeeze(-1), target)
+
+
+def test_legacy_one_element_bias_is_trained(tmp_path: Path) -> None:
+    """Without a signature a one-element tensor is a constant, unless named like a module's bias."""
+    torch.manual_seed(0)
+    module = ScalarHead()
+    x, target = torch.randn(4, 8), torch.randn(4)
+    path = tmp_path / "legacy.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x, target), str(path), dynamo=False, input_names=["x", "target"],
+                          output_names=["loss"])
+    module(x, target).backward()
+    rows = {r.name: r for r in gradgraph.list_weights(path, "loss")}
+    assert rows["out.bias"].trained
+    grad_model = gradgraph.build_gradient_graph(path, "loss")
+    outputs = [o.name for o in grad_model.graph.output]
+    got = dict(zip(outputs, ort.InferenceSession(grad_model.SerializeToString()).run(
+        None, {"x": x.numpy(), "target": target.numpy()})))
+    want = module.out.bias.grad.numpy()
+    np.testing.assert_allclose(got["out.bias_grad"], want, rtol=RTOL, atol=ATOL)

@@ -10,7 +10,8 @@ With a torch export signature (dynamo exports):
 
 Without one (legacy exports, other producers), in this order:
 1. the running mean and variance inputs of BatchNormalization are buffers;
-2. a tensor of at most one element is a constant (epsilons, exponents, scales);
+2. a tensor of at most one element is a constant (epsilons, exponents, scales), unless it is
+   named like a torch module's weight or bias (``out.bias`` of ``Linear(n, 1)``);
 3. a tensor holding inf or NaN is a constant (attention masks);
 4. every other float initializer is a parameter.
 """
@@ -18,6 +19,7 @@ Without one (legacy exports, other producers), in this order:
 from __future__ import annotations
 
 import enum
+import re
 
 import numpy as np
 import onnx_ir as ir
@@ -29,6 +31,9 @@ from passes.exports.recover import RECOVERED_KEY
 from passes.exports.signature import TorchSignature, folded_from
 
 REASON_KEY = "gradgraph.weight_reason"
+# A torch state_dict name of a module's weight or bias (the legacy exporter keeps these names):
+# a one-element one is a parameter (the bias of Linear(n, 1)), not an exporter scalar.
+_TORCH_PARAMETER_NAME = re.compile(r"[A-Za-z_][\w.]*\.(weight|bias)")
 FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 
@@ -55,6 +60,8 @@ def _rule_without_signature(value: ir.Value, stats: set[str]) -> tuple[WeightKin
     tensor = value.const_value
     size = int(np.prod(value.shape.numpy())) if value.shape is not None and value.shape.is_static() else None
     if size is not None and size <= 1:
+        if size == 1 and _TORCH_PARAMETER_NAME.fullmatch(value.name or ""):
+            return WeightKind.PARAMETER, "one-element torch weight or bias (named <module>.weight/.bias)"
         return WeightKind.CONSTANT, "scalar (epsilon, exponent or scale)"
     if tensor is not None and not np.isfinite(tensor.numpy()).all():
         return WeightKind.CONSTANT, "holds inf/NaN (a mask)"
