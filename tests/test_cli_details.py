@@ -103,6 +103,20 @@ def test_options_that_size_nothing_are_errors(tmp_path: Path, flags: list[str], 
     assert not out.exists()
 
 
+def test_a_dim_of_a_model_with_only_numbers_warns(tmp_path: Path, capsys) -> None:
+    static = tmp_path / "static.onnx"
+    model = onnx.load(str(EXAMPLE))
+    for value in [*model.graph.input, *model.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param"):
+                dim.dim_value = 8
+    onnx.save(model, str(static))
+    out = tmp_path / "stages"
+    assert cli_main(["build", str(static), "--loss", "loss", "--save-stages", str(out), "--dim", "batch=8"]) == 0
+    assert "gradgraph build: warning: --dim: 'batch' is ignored: every dimension of the model is a number" \
+        in capsys.readouterr().err
+
+
 def test_options_that_match_nothing_warn(tmp_path: Path, capsys) -> None:
     out = tmp_path / "stages"
     assert cli_main(["build", str(EXAMPLE), "--loss", "loss", "--save-stages", str(out), "--cast-level", "1",

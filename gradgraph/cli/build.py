@@ -83,19 +83,14 @@ def config_from_args(args: argparse.Namespace) -> object:
 
 
 def _check_dims(dims: dict[str, int], artifacts: TrainingArtifacts) -> None:
-    """--dim names a symbolic dimension of the graphs (else it sizes nothing: a typo)."""
+    """--dim names a symbolic dimension of the graphs (else it sizes nothing)."""
     import onnx_ir as ir
 
-    from gradgraph.training.build import symbolic_dims
-    from gradgraph.validate import close_matches
+    from gradgraph.training.build import check_dim_names, symbolic_dims
 
     graphs = [g for g in (artifacts.gradient, artifacts.eval) if g is not None]
     known = set().union(*(symbolic_dims(ir.from_proto(g)) for g in graphs))
-    for name in dims:
-        if name not in known:
-            listed = ", ".join(sorted(known)) or "none: every dimension is a number"
-            raise InputError(f"--dim {name}=...: the model has no symbolic dimension {name!r}"
-                             f"{close_matches(name, known)} (its symbolic dimensions: {listed})")
+    check_dim_names(list(dims), known, "--dim")
 
 
 def _replaced(name: str) -> bool:

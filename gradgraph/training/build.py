@@ -271,17 +271,30 @@ def symbolic_dims(model: ir.Model) -> set[str]:
             if isinstance(d, ir.SymbolicDim) and d.value}
 
 
+def check_dim_names(names: Sequence[str], known: set[str], what: str) -> None:
+    """Dimension sizes given by name (``what``: the option) for the symbolic dimensions ``known``.
+
+    A name the model lacks is a typo (``GradientError``, with close matches) when the model has
+    symbolic dimensions; when every dimension is a number it sizes nothing and is only a warning.
+    """
+    for name in names:
+        if name in known:
+            continue
+        if not known:
+            warnings.warn(f"{what}: {name!r} is ignored: every dimension of the model is a number",
+                          UserWarning, stacklevel=3)
+            continue
+        raise GradientError(f"{what}: the model has no symbolic dimension {name!r}"
+                            f"{close_matches(name, known)} (its symbolic dimensions: "
+                            f"{', '.join(sorted(known))})")
+
+
 def _check_pass_names(config: TrainingConfig, model: ir.Model) -> None:
     """Names the pass options give that the model lacks: a symbolic dimension is an error, an
     op type of the cast allow list a warning (an op may appear only once functions are inlined)."""
     recompute = config.graph_transformer.recompute
     if recompute is not None and recompute.dims:
-        known = symbolic_dims(model)
-        for name, _ in recompute.dims:
-            if name not in known:
-                listed = ", ".join(sorted(known)) or "none: every dimension is a number"
-                raise GradientError(f"recompute dims: the model has no symbolic dimension {name!r}"
-                                    f"{close_matches(name, known)} (its symbolic dimensions: {listed})")
+        check_dim_names([name for name, _ in recompute.dims], symbolic_dims(model), "recompute dims")
     cast = config.graph_transformer.propagate_cast_ops
     if cast.enabled and cast.allow:
         ops = {n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph)}
