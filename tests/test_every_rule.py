@@ -335,7 +335,7 @@ def gemm(draw, op):
 EINSUM_EQUATIONS = [
     "ij,jk->ik", "bij,bjk->bik", "ij->ji", "i,i->", "ij->i", "ij->", "i,j->ij", "ij,kj->ik",
     "...ij,...jk->...ik", "bhqd,bhkd->bhqk", "ij,jk", "ij,j->i", "ijk->kj", "ij,ij->ij", "ab,bc,cd->ad",
-    "...i->...",
+    "...i->...", "...ij,jk->...ki", "i...j,j->...i", "ij...,jk->k...i", "a...,...b->...ab",
 ]
 
 
@@ -348,7 +348,11 @@ def einsum(draw, op):
     terms = eq.split("->")[0].split(",")
     inputs = []
     for i, term in enumerate(terms):
-        shape = (ellipsis if "..." in term else ()) + tuple(sizes[ch] for ch in term.replace("...", ""))
+        # Each operand's ellipsis may have size 1 where another's does not (broadcasting).
+        own = tuple(1 if draw(st.booleans()) else d for d in ellipsis)
+        head, dots, tail = term.partition("...")
+        shape = (tuple(sizes[ch] for ch in head) + (own if dots else ())
+                 + tuple(sizes[ch] for ch in tail))
         inputs.append((f"x{i}", uniform(rng, shape, -1, 1, dtype)))
     wrt = tuple(n for n, _ in inputs if draw(st.booleans())) or ("x0",)
     return Spec(op, inputs, wrt, {"equation": eq}, opset=opset_for(draw, op))

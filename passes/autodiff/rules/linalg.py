@@ -90,32 +90,77 @@ def _letters(term: str) -> list[str]:
     return [ch for ch in term.replace("...", "") if ch.isalpha()]
 
 
+def _axes_of(term: str, ell_rank: int) -> list[str | int]:
+    """The axes of an operand written ``term``: its letters, and 0..ell_rank-1 for the ellipsis."""
+    head, dots, tail = term.partition("...")
+    return list(head) + (list(range(ell_rank)) if dots else []) + list(tail)
+
+
+def _ellipsis_rank(n, terms: list[str], out: str) -> int | None:
+    """How many dimensions the ellipsis stands for (onnxruntime wants the same in every operand)."""
+    for term, v in [*zip(terms, n.inputs), (out, n.outputs[0])]:
+        if "..." in term and v.rank is not None:
+            return v.rank - len(_letters(term))
+    return None
+
+
 @grad_rule("Einsum")
 def _einsum(b, n, g):
-    """d operand_i = einsum(other operands, grad -> term_i), expanded over lost letters."""
+    """d operand_i = einsum(other operands, grad -> term_i), expanded over lost letters.
+
+    The ellipsis goes where the operand has it; an operand without one gets the gradient of
+    the broadcast (``...`` first) summed over the ellipsis axes, since an Einsum whose inputs
+    have an ellipsis must keep it in its output. Ellipsis axes where the operand has size 1
+    and another operand does not are summed back to 1.
+    """
     terms, out = _parse_einsum(n.attr("equation"))
+    ell = _ellipsis_rank(n, terms, out) if any("..." in t for t in terms) else 0
     grads = []
     for i, x in enumerate(n.inputs):
         if not n.needs_grad(i):
             grads.append(None)
             continue
         term = terms[i]
-        if len(set(_letters(term))) != len(_letters(term)):
+        letters = _letters(term)
+        if len(set(letters)) != len(letters):
             raise ValueError(f"Einsum gradient does not support repeated indices in {term!r}")
+        if ell is None:
+            raise ValueError("Einsum gradient with '...' needs the operand ranks (run shape inference)")
         others = [t for k, t in enumerate(terms) if k != i]
         available = set("".join(others) + out)
-        kept = "".join(ch for ch in term.replace("...", "") if ch in available)
-        target = ("..." if "..." in term else "") + kept
+        own_dots = "..." in term
+        if own_dots:
+            target = "".join(ch for ch in term if ch == "." or ch in available)
+        else:
+            target = ("..." if ell else "") + "".join(ch for ch in term if ch in available)
         eq = ",".join(others + [out]) + "->" + target
         inputs = [v for k, v in enumerate(n.inputs) if k != i] + [g[0]]
         d = b.Einsum(*inputs, equation=eq)
-        if kept != term.replace("...", ""):
+        if ell and not own_dots:
+            d = b.reduce("ReduceSum", d, list(range(ell)), keepdims=0)
+        axes = _axes_of(term, ell if own_dots else 0)
+        lost = [k for k, a in enumerate(axes) if isinstance(a, str) and a not in available]
+        if lost:
             # Letters summed away in the forward pass: put them back as broadcast dims.
-            positions = [k for k, ch in enumerate(term.replace("...", "")) if ch not in available]
-            offset = (x.rank - len(_letters(term))) if "..." in term else 0
-            d = b.Unsqueeze(d, [p + offset for p in positions])
+            d = b.Unsqueeze(d, lost)
             d = b.Expand(d, b.Shape(x))
-        if "..." in term:
-            d = b.unbroadcast(d, None, x)
+        if own_dots and ell:
+            d = _sum_broadcast_ellipsis(b, n, d, x, axes, out)
         grads.append(d)
     return grads
+
+
+def _sum_broadcast_ellipsis(b, n, d, x, axes, out):
+    """Sum the ellipsis axes where ``x`` has size 1 and the output does not."""
+    xs = x.shape
+    ell_axes = [k for k, a in enumerate(axes) if isinstance(a, int)]
+    if xs is not None and all(isinstance(xs[k], int) and xs[k] != 1 for k in ell_axes):
+        return d
+    ys = n.outputs[0].shape
+    if xs is not None and ys is not None:
+        y_ell = [dim for dim, a in zip(ys, _axes_of(out, len(ell_axes))) if isinstance(a, int)]
+        from_shape = list(xs)
+        for k, dim in zip(ell_axes, y_ell):
+            from_shape[k] = dim
+        return b.unbroadcast(d, from_shape, x)
+    return b.unbroadcast(d, None, x)
