@@ -21,6 +21,12 @@ The oracle is the first of these that can run the model (:func:`gradcheck` repor
    :data:`FLOAT32_RTOL` and :data:`FLOAT32_ATOL` (the latter in units of ``max(1, |loss|)``,
    as float32 rounding of the loss is relative to its size).
 
+The float64 copy retypes float16 and bfloat16 too, so a model that computes in them (its
+weights, inputs or a Cast inside) is checked against the exact math; its analytic gradient
+carries the rounding of that arithmetic, so the float64 oracles' tolerances become
+:data:`LOW_PRECISION_TOL` of the lowest precision found (``rtol``, and ``atol`` in units of
+the largest entry of the name's analytic gradient: the rounding is relative to the values).
+
 Explicit ``eps`` / ``rtol`` / ``atol`` arguments replace the oracle's defaults. An entry
 passes when ``|analytic - numeric| <= atol + rtol * |numeric|``; a NaN or infinity in either
 fails it and shows in the row's errors. An entry that does not pass is re-probed at half the
@@ -80,6 +86,10 @@ FLOAT64_ATOL = 1e-5
 FLOAT32_EPS = 3e-4
 FLOAT32_RTOL = 1e-2
 FLOAT32_ATOL = 5e-3  # times max(1, |loss|)
+# Models computing in float16 / bfloat16 (against a float64 oracle): rtol, and atol in units of
+# the largest |entry| of the name's analytic gradient; about 10 units in the last place of the
+# type (float16 2^-10, bfloat16 2^-7): each op of the analytic gradient rounds to it.
+LOW_PRECISION_TOL = {"float16": 1e-2, "bfloat16": 8e-2}
 # KinkScreen: relative disagreement of the one-sided quotients (x+h vs x-h) that marks a kink,
 # and its floor, in units of the loss gradient.
 KINK_RTOL = 1e-2
@@ -149,6 +159,7 @@ class CheckReport(Sequence[CheckRow]):
     rtol: float
     atol: float
     loss_value: float
+    low_precision: str | None = None  # "float16" / "bfloat16" when the model computes in it
 
     @overload
     def __getitem__(self, index: int) -> CheckRow: ...
@@ -192,6 +203,9 @@ class CheckReport(Sequence[CheckRow]):
 
     @property
     def tolerance_text(self) -> str:
+        if self.low_precision and self.oracle != ORACLE_FLOAT32_ORT:
+            return (f"eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g} x max |gradient| "
+                    f"(the model computes in {self.low_precision})")
         if self.oracle == ORACLE_FLOAT32_ORT:
             return (f"eps={self.eps:g} x max(1, |x|), rtol={self.rtol:g}, "
                     f"atol={self.atol:g} x max(1, |loss|)")
@@ -234,11 +248,42 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0, dims: Mapping[str, int]
 def _as_double(model: onnx.ModelProto) -> onnx.ModelProto:
     """float32 -> float64, normalizations included (their ``stash_type`` defaults to float32)."""
     m = ir.from_proto(model)
-    ToDoublePass()(m)
+    ToDoublePass(low_precision=True)(m)
     for node in ir.traversal.RecursiveGraphIterator(m.graph):
         if _has_stash_type(node, m.opset_imports):
             node.attributes["stash_type"] = ir.AttrInt64("stash_type", int(ir.DataType.DOUBLE))
     return ir.to_proto(m)
+
+
+_RETYPED = ("float32", "float16", "bfloat16")
+_LOW = {int(onnx.TensorProto.FLOAT16): "float16", int(onnx.TensorProto.BFLOAT16): "bfloat16"}
+
+
+def low_precision_of(model: onnx.ModelProto) -> str | None:
+    """"float16" or "bfloat16" (the lower) when ``model`` holds or casts to it, else None."""
+    found: set[str] = set()
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for v in [*graph.input, *graph.output, *graph.value_info]:
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in _LOW:
+                found.add(_LOW[v.type.tensor_type.elem_type])
+        for t in graph.initializer:
+            if t.data_type in _LOW:
+                found.add(_LOW[t.data_type])
+        for node in graph.node:
+            for a in node.attribute:
+                if a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT and a.i in _LOW:
+                    found.add(_LOW[a.i])
+                elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type in _LOW:
+                    found.add(_LOW[a.t.data_type])
+                elif a.type == onnx.AttributeProto.GRAPH:
+                    visit(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    for g in a.graphs:
+                        visit(g)
+
+    visit(model.graph)
+    return "bfloat16" if "bfloat16" in found else ("float16" if found else None)
 
 
 def _has_stash_type(node: ir.Node, opsets: Mapping[str, int]) -> bool:
@@ -394,7 +439,8 @@ def _choose_oracle(forward: onnx.ModelProto, loss: str, trained: Sequence[str],
         trained64 = {}
         reasons.append(f"the float64 copy could not be built ({type(exc).__name__}: {_short(exc)})")
     if f64 is not None:
-        base64 = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
+        base64 = {k: (np.asarray(v).astype(np.float64) if np.asarray(v).dtype.name in _RETYPED else v)
+                  for k, v in feeds.items()}
         base64.update(trained64)
         try:
             loss_of = _ort_loss(f64, loss)
@@ -538,19 +584,27 @@ def compare_with_central_differences(
     runs = 1 + 2 * sum(min(max_elements, int(np.asarray(a).size)) for a in analytic.values())
     oracle = _choose_oracle(forward, loss, trained, feeds, runs, model_desc, float64_only)
     float32 = oracle.kind == ORACLE_FLOAT32_ORT
+    low = low_precision_of(forward)
+    low_tol = LOW_PRECISION_TOL[low] if low and not float32 else None
     step = eps if eps is not None else (FLOAT32_EPS if float32 else FLOAT64_EPS)
-    r_tol = rtol if rtol is not None else (FLOAT32_RTOL if float32 else FLOAT64_RTOL)
-    a_tol = atol if atol is not None else (FLOAT32_ATOL if float32 else FLOAT64_ATOL)
+    r_tol = rtol if rtol is not None else (FLOAT32_RTOL if float32 else low_tol or FLOAT64_RTOL)
+    a_tol = atol if atol is not None else (FLOAT32_ATOL if float32 else low_tol or FLOAT64_ATOL)
     a_tol_used = a_tol * max(1.0, abs(oracle.f0)) if float32 and math.isfinite(oracle.f0) else a_tol
 
     rng = np.random.default_rng(seed)
     rows = []
     padding = _padding_rows(forward)
     for name in trained:
-        rows.append(_check_one(name, oracle, np.asarray(analytic[name]), rng, step, float32,
-                               r_tol, a_tol_used, max_elements, model_desc, padding.get(name, set()),
+        grad = np.asarray(analytic[name])
+        a_tol_name = a_tol_used
+        if low_tol is not None:
+            finite = np.abs(grad[np.isfinite(grad)].astype(np.float64))
+            a_tol_name = a_tol * (float(finite.max()) if finite.size else 0.0)
+        rows.append(_check_one(name, oracle, grad, rng, step, float32,
+                               r_tol, a_tol_name, max_elements, model_desc, padding.get(name, set()),
                                kink_screen))
-    return CheckReport(tuple(rows), oracle.kind, oracle.reason, step, r_tol, a_tol, oracle.f0)
+    return CheckReport(tuple(rows), oracle.kind, oracle.reason, step, r_tol, a_tol, oracle.f0,
+                       low if low_tol is not None else None)
 
 
 def _padding_rows(forward: onnx.ModelProto) -> dict[str, set[int]]:

@@ -315,6 +315,101 @@ g (float[2] x) => (float[2, 2] y, float[2] w) {
     assert oh.get_attribute_value(next(a for a in nodes["HannWindow"].attribute if a.name == "output_datatype")) == TensorProto.DOUBLE
 
 
+# ---- float16 models: the oracle is the exact math ------------------------------------------------
+
+F16_MLP = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float16[8, 16] x) => (float16 loss) {
+  y = MatMul(x, W1)
+  r = Tanh(y)
+  z = MatMul(r, W2)
+  s = Softmax<axis = -1>(z)
+  q = Mul(s, z)
+  loss = ReduceSum<keepdims = 0>(q)
+}
+"""
+
+CAST_INSIDE = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[8, 16] x) => (float loss) {
+  xh = Cast<to = 10>(x)
+  wh = Cast<to = 10>(W)
+  yh = MatMul(xh, wh)
+  y = Cast<to = 1>(yh)
+  t = Tanh(y)
+  loss = ReduceSum<keepdims = 0>(t)
+}
+"""
+
+
+WEIGHT_SHAPES = {"W1": (16, 32), "W2": (32, 8), "W": (16, 8)}
+
+
+def _with_weights(text: str, dtype, seed: int = 0) -> onnx.ModelProto:
+    """The model of ``text`` with random initializers for the weights it reads."""
+    model = parser.parse_model(text)
+    rng = np.random.default_rng(seed)
+    read = {x for n in model.graph.node for x in n.input}
+    for name, shape in WEIGHT_SHAPES.items():
+        if name in read:
+            model.graph.initializer.append(onnx.numpy_helper.from_array(
+                (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(dtype), name))
+    return model
+
+
+@pytest.mark.parametrize("text, dtype", [(F16_MLP, np.float16), (CAST_INSIDE, np.float32)],
+                         ids=["float16-weights", "cast-to-float16-inside"])
+def test_float16_model_is_checked_against_the_float64_math(text, dtype, capsys, tmp_path):
+    """A float16 model (or a float32 one that computes in float16): the float64 copy retypes
+    float16 too (a step of 1e-6 does not move a float16 weight: the check used to stop), with
+    tolerances 1e-2 (rtol, and atol x the largest gradient entry). A gradient 5% off fails."""
+    model = _with_weights(text, dtype)
+    report = gradcheck(model, "loss", max_elements=32)
+    assert report.oracle == check.ORACLE_FLOAT64_ORT and report.low_precision == "float16"
+    assert (report.rtol, report.atol) == (check.LOW_PRECISION_TOL["float16"],) * 2 == (1e-2, 1e-2)
+    assert report.ok and all(r.checked for r in report), report
+    analytic = {r.name: None for r in report}
+    names = list(analytic)
+    grads = gradgraph_grads(model, names)
+    feeds = check.random_inputs(model)
+    again = check.compare_with_central_differences(model, "loss", grads, feeds, max_elements=32)
+    assert again.ok
+    wrong = check.compare_with_central_differences(
+        model, "loss", {k: v * np.asarray(1.05, v.dtype) for k, v in grads.items()}, feeds,
+        max_elements=32)
+    assert {r.name for r in wrong.failed} == set(names)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    code, out, err = _cli(capsys, str(path), "--loss", "loss")
+    assert code == 0, out + err
+    assert "(the model computes in float16)" in out.splitlines()[-1]
+
+
+def gradgraph_grads(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
+    """The analytic gradients of ``names`` at gradcheck's random inputs, run in onnxruntime."""
+    from gradgraph.api import build_gradient_graph
+    from passes.marks import GRADIENT_OF_KEY
+
+    grad = build_gradient_graph(model, "loss", names)
+    outs = {p.value: o.name for o in grad.graph.output for p in o.metadata_props if p.key == GRADIENT_OF_KEY}
+    sess = ort.InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = check.random_inputs(model)
+    values = sess.run([outs[n] for n in names], {i.name: feeds[i.name] for i in sess.get_inputs()})
+    return dict(zip(names, values))
+
+
+def test_to_double_keeps_float16_unless_asked():
+    model = _with_weights(CAST_INSIDE, np.float32)
+    kept = ir.from_proto(model)
+    ToDoublePass()(kept)
+    assert {n.attributes["to"].value for n in kept.graph if n.op_type == "Cast"} == {10, 11}
+    low = ir.from_proto(model)
+    ToDoublePass(low_precision=True)(low)
+    assert {n.attributes["to"].value for n in low.graph if n.op_type == "Cast"} == {11}
+    assert check.low_precision_of(model) == "float16"
+    assert check.low_precision_of(parser.parse_model(NAN_MODEL)) is None
+
+
 # ---- non-finite gradients -----------------------------------------------------------------------
 
 NAN_MODEL = """

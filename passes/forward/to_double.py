@@ -1,5 +1,10 @@
 """ToDoublePass: retype a float32 model to float64 (for finite-difference oracles).
 
+With ``low_precision=True`` float16 and bfloat16 are retyped too (the same rules, "float32"
+below reading "float32, float16 or bfloat16"): the oracle of a float16 model, or of one that
+casts to float16 inside, is then the exact math, not float16 arithmetic that a step of 1e-6
+does not move.
+
 1. float32 graph inputs, outputs, initializers and intermediate values become float64,
    in the main graph and in every subgraph; sequence and optional values keep their
    structure (``seq(float)`` becomes ``seq(double)``, never a tensor);
@@ -24,6 +29,8 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 F32, F64 = ir.DataType.FLOAT, ir.DataType.DOUBLE
+F32_ONLY = frozenset({F32})
+LOW_PRECISION = frozenset({F32, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 _DTYPE_ATTRS = ("to", "dtype", "stash_type", "output_datatype", "output_dtype")
 
 # Ops whose float output comes from an attribute that defaults to float32 when absent:
@@ -39,26 +46,26 @@ _FLOAT32_BY_DEFAULT: dict[str, str] = {
 }
 
 
-def _double_type(type_: ir.TypeProtocol | None) -> ir.TypeProtocol | None:
-    """``type_`` with float32 elements made float64, or None when nothing changes."""
+def _double_type(type_: ir.TypeProtocol | None, sources: frozenset) -> ir.TypeProtocol | None:
+    """``type_`` with float32 (``sources``) elements made float64, or None when nothing changes."""
     if isinstance(type_, ir.TensorType):
-        return ir.TensorType(F64) if type_.dtype == F32 else None
+        return ir.TensorType(F64) if type_.dtype in sources else None
     if isinstance(type_, (ir.SequenceType, ir.OptionalType)):
-        elem = _double_type(type_.elem_type)
+        elem = _double_type(type_.elem_type, sources)
         return None if elem is None else type(type_)(elem)
     return None
 
 
-def _retype(value: ir.Value) -> bool:
-    new = _double_type(value.type)
+def _retype(value: ir.Value, sources: frozenset) -> bool:
+    new = _double_type(value.type, sources)
     if new is None:
         return False
     value.type = new
     return True
 
 
-def _convert_tensor(tensor: ir.TensorProtocol) -> ir.TensorProtocol | None:
-    if tensor.dtype != F32:
+def _convert_tensor(tensor: ir.TensorProtocol, sources: frozenset) -> ir.TensorProtocol | None:
+    if tensor.dtype not in sources:
         return None
     return ir.tensor(tensor.numpy().astype(np.float64), name=tensor.name)
 
@@ -75,7 +82,7 @@ def _has_attribute(node: ir.Node, name: str, opset: int) -> bool:
     return name in schema.attributes
 
 
-def _convert_node(node: ir.Node, opset: int) -> bool:
+def _convert_node(node: ir.Node, opset: int, sources: frozenset) -> bool:
     modified = False
     attrs = node.attributes
     default_domain = _is_default_domain(node)
@@ -102,43 +109,48 @@ def _convert_node(node: ir.Node, opset: int) -> bool:
         modified = True
     for name, attr in list(attrs.items()):
         if attr.type == ir.AttributeType.TENSOR:
-            converted = _convert_tensor(attr.value)
+            converted = _convert_tensor(attr.value, sources)
             if converted is not None:
                 attrs[name] = ir.AttrTensor(name, converted)
                 modified = True
-        elif attr.type == ir.AttributeType.INT and name in _DTYPE_ATTRS and attr.value == F32:
+        elif attr.type == ir.AttributeType.INT and name in _DTYPE_ATTRS and attr.value in sources:
             attrs[name] = ir.AttrInt64(name, int(F64))
             modified = True
     for out in node.outputs:
-        modified |= _retype(out)
+        modified |= _retype(out, sources)
     return modified
 
 
-def _convert_graph_values(graph: ir.Graph) -> bool:
+def _convert_graph_values(graph: ir.Graph, sources: frozenset) -> bool:
     modified = False
     for value in list(graph.inputs) + list(graph.outputs):
-        modified |= _retype(value)
+        modified |= _retype(value, sources)
     for value in graph.initializers.values():
-        if value.const_value is not None and value.const_value.dtype == F32:
-            value.const_value = _convert_tensor(value.const_value)
+        if value.const_value is not None and value.const_value.dtype in sources:
+            value.const_value = _convert_tensor(value.const_value, sources)
             modified = True
-        modified |= _retype(value)
+        modified |= _retype(value, sources)
     return modified
 
 
 class ToDoublePass(InPlacePass):
+    def __init__(self, low_precision: bool = False):
+        super().__init__()
+        self.sources = LOW_PRECISION if low_precision else F32_ONLY
+
     def call(self, model: ir.Model) -> PassResult:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-        modified = _convert_graph_values(model.graph)
+        src = self.sources
+        modified = _convert_graph_values(model.graph, src)
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
-            modified |= _convert_node(node, opset)
+            modified |= _convert_node(node, opset, src)
             for attr in node.attributes.values():
                 if attr.type == ir.AttributeType.GRAPH:
-                    modified |= _convert_graph_values(attr.value)
+                    modified |= _convert_graph_values(attr.value, src)
                 elif attr.type == ir.AttributeType.GRAPHS:
                     for sub in attr.value:
-                        modified |= _convert_graph_values(sub)
+                        modified |= _convert_graph_values(sub, src)
         for function in model.functions.values():
             for node in ir.traversal.RecursiveGraphIterator(function):
-                modified |= _convert_node(node, function.opset_imports.get("", opset))
+                modified |= _convert_node(node, function.opset_imports.get("", opset), src)
         return PassResult(model, modified)
