@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +84,44 @@ def test_unused_weight_is_an_error_unless_allowed():
     grad = gradgraph.build_gradient_graph(model, "loss", ["W", "unused"], allow_unused=True)
     (zero,) = _run(grad, {"x": np.ones((2, 3), np.float32)}, ["unused_grad"])
     np.testing.assert_array_equal(zero, np.zeros(2, np.float32))
+
+
+CLIPPED = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[2, 3] x) => (float loss) <float[3, 2] W = {1., 2., 3., 4., 5., 6.}, float hi = {0.5},
+                                   float lo = {-0.5}> {
+  y = MatMul(x, W)
+  c = Clip(y, lo, hi)
+  loss = ReduceSum<keepdims=0>(c)
+}
+"""
+
+
+def test_weight_behind_a_non_differentiable_input_is_named_with_that_input():
+    """Clip's bounds reach the loss but ONNX gives them no gradient: the error names the input
+    and the node (it said "no differentiable path connects them" and pointed at a path); with
+    allow_unused the zero gradient comes with a warning naming them, not silently."""
+    model = parser.parse_model(CLIPPED)
+    model.graph.node[1].name = "clamp"
+    with pytest.raises(gradgraph.GradientError, match=re.escape(
+            "'hi' does not reach loss 'loss' through any differentiable path: its way there runs "
+            "through input 2 (max) of Clip node 'clamp', which has no gradient")):
+        gradgraph.build_gradient_graph(model, "loss", ["W", "hi"])
+    with pytest.warns(UserWarning, match=re.escape(
+            "the gradient of 'hi' is zero: it reaches loss 'loss' only through input 2 (max) of "
+            "Clip node 'clamp'")):
+        grad = gradgraph.build_gradient_graph(model, "loss", ["W", "hi"], allow_unused=True)
+    (zero,) = _run(grad, {"x": np.ones((2, 3), np.float32)}, ["hi_grad"])
+    np.testing.assert_array_equal(zero, np.zeros((), np.float32))
+
+
+def test_unrelated_unused_weight_builds_without_a_warning():
+    model = parser.parse_model(LINEAR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradgraph.build_gradient_graph(model, "loss", ["W", "unused"], allow_unused=True)
+    with pytest.raises(gradgraph.GradientError, match="no path of the graph connects them"):
+        gradgraph.build_gradient_graph(model, "loss", ["W", "unused"])
 
 
 def test_missing_rule_names_op_node_opset_and_path():

@@ -144,3 +144,30 @@ def test_summary_numbers_are_the_file_numbers(tmp_path: Path, capsys) -> None:
                 if line[:2].isdigit()}
     assert numbered == {p.stem for p in out.glob("*.onnx")}
     assert all(onnx.load(str(p)) is not None for p in out.glob("*.onnx"))
+
+
+CLIP_BOUND = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[2, 3] x) => (float loss) <float[3, 2] W = {1., 2., 3., 4., 5., 6.}, float hi = {0.5},
+                                   float lo = {-0.5}> {
+  y = MatMul(x, W)
+  c = Clip(y, lo, hi)
+  loss = ReduceSum<keepdims=0>(c)
+}
+"""
+
+
+@pytest.mark.parametrize("mixed", [[], ["--mixed-precision", "float16"]], ids=["float32", "mixed-precision"])
+def test_a_weight_behind_a_non_differentiable_input_names_the_user_loss(tmp_path: Path, capsys, mixed) -> None:
+    """A trained Clip bound: the error names Clip's input and the user's loss, never the
+    scaled loss that mixed precision differentiates internally."""
+    model = tmp_path / "clip.onnx"
+    onnx.save(onnx.parser.parse_model(CLIP_BOUND), model)
+    stages = tmp_path / "stages"
+    code = cli_main(["build", str(model), "--loss", "loss", "--weights", "W", "hi",
+                     "--save-stages", str(stages), *mixed])
+    line = _error(capsys.readouterr().err, "build")
+    assert code == 2 and not stages.exists()
+    assert "trained name 'hi' does not reach loss 'loss'" in line
+    assert "through input 2 (max) of Clip node" in line
+    assert ("(scaled for mixed precision as 'scaled_loss')" in line) == bool(mixed)

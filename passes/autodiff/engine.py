@@ -14,14 +14,16 @@ Given a forward graph, a loss value and the values to differentiate:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 
+import onnx
 import onnx_ir as ir
 
 from passes.autodiff.builder import NodeView, OpBuilder, Var, scope_taken_names, shape_dims
 from passes.autodiff.errors import GradientError
 from passes.autodiff.registry import GradRule, lookup
-from passes.marks import GRAD_OF_KEY, GRADIENT_OF_KEY, STAGE_KEY, Role
+from passes.marks import GRAD_OF_KEY, GRADIENT_OF_KEY, OUTPUT_KEY, STAGE_KEY, OutputRole, Role
 
 # The mark passes.exports.ClassifyWeightsPass puts on initializers (parameter/buffer/constant);
 # when present, the default trained set is the parameters.
@@ -33,6 +35,12 @@ MAX_PATH_SHOWN = 64
 FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16}
 )
+
+
+# What to do about a trained name without a gradient (build_gradient_graph / gradgraph grad
+# take allow_unused; the training build only trains names that have one).
+UNUSED_HINT = ("do not train it, or pass allow_unused=True (gradgraph grad --allow-unused) "
+               "to get a zero gradient for it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +210,48 @@ class GradientSweep:
                     toward_loss.setdefault(id(v), out)
         return active, needs, toward_loss
 
+    def _loss_text(self) -> str:
+        """The loss as the user named it: the scaled loss of mixed precision (a ``Mul`` of the
+        loss and the scale, marked by LossScalePass) is shown as the loss it scales."""
+        producer = self.loss.producer()
+        if (self.loss.metadata_props.get(OUTPUT_KEY) == OutputRole.SCALED_LOSS.value
+                and producer is not None and producer.inputs and producer.inputs[0] is not None):
+            return f"{producer.inputs[0].name!r} (scaled for mixed precision as {self.loss.name!r})"
+        return repr(self.loss.name)
+
+    def _blocked_at(self, weight: ir.Value) -> str:
+        """Where ``weight`` (which has no differentiable path to the loss) meets a
+        non-differentiable input on its way there, e.g. "input 2 (max) of Clip node 'clip'";
+        "" when the loss does not depend on it at all."""
+        toward: set[int] = {id(self.loss)}
+        for node in reversed(list(self.graph)):
+            if any(id(o) in toward for o in node.outputs):
+                toward.update(id(v) for _, v in _edges(node))
+        if id(weight) not in toward:
+            return ""
+        forward = {id(weight)}
+        for node in self.graph:
+            rule = self._rules[id(node)]
+            for i, v in _edges(node):
+                if id(v) not in forward:
+                    continue
+                if _is_diff_edge(rule, i, v):
+                    forward.update(id(o) for o in node.outputs if is_float(o) or is_quantized(o))
+                elif any(id(o) in toward for o in node.outputs):
+                    return f"{self._input_text(node, i)} of {node.op_type} node {node.name!r}"
+        return ""
+
+    def _input_text(self, node: ir.Node, index: int) -> str:
+        if index >= len(node.inputs):
+            return "a value its subgraph reads"
+        try:
+            domain = "" if node.domain == "ai.onnx" else node.domain
+            schema = onnx.defs.get_schema(node.op_type, self._opset_of(node), domain)
+            formal = schema.inputs[min(index, len(schema.inputs) - 1)].name
+        except (onnx.defs.SchemaError, IndexError):
+            return f"input {index}"
+        return f"input {index} ({formal})"
+
     def _seed_targets(self) -> list[ir.Value]:
         """The values whose gradient is seeded (the loss)."""
         return [self.loss]
@@ -221,15 +271,25 @@ class GradientSweep:
             self.weights = [w for w in self.weights if id(w) in needs]
             if not self.weights:
                 raise GradientError(f"no parameter (floating-point initializer) reaches loss "
-                                    f"{self.loss.name!r}; name the weights to train explicitly")
+                                    f"{self._loss_text()}; name the weights to train explicitly")
         unused = [w for w in self.weights if id(w) not in needs]
         if unused and not self.options.allow_unused:
             w = unused[0]
+            blocked = self._blocked_at(w)
+            if blocked:
+                raise GradientError(
+                    f"trained name {w.name!r} does not reach loss {self._loss_text()} through any "
+                    f"differentiable path: its way there runs through {blocked}, which has no "
+                    f"gradient ({UNUSED_HINT})")
             raise GradientError(
-                f"trained name {w.name!r} does not reach loss {self.loss.name!r}: no differentiable "
-                "path connects them (pass allow_unused=True to get a zero gradient instead)",
-                path=[w.name or "", "...", self.loss.name or ""],
-            )
+                f"trained name {w.name!r} does not reach loss {self._loss_text()}: no path of the "
+                f"graph connects them ({UNUSED_HINT})")
+        for w in unused:
+            blocked = self._blocked_at(w)
+            if blocked:
+                warnings.warn(f"the gradient of {w.name!r} is zero: it reaches loss "
+                              f"{self._loss_text()} only through {blocked}, which has no gradient",
+                              stacklevel=2)
         b = self.b
         b.marks = {STAGE_KEY: Role.BACKWARD.value}
         seeds = {id(self.loss): [self._seed()]} if id(self.loss) in needs else {}
@@ -380,6 +440,39 @@ class GraphGradient(GradientSweep):
         self.weights = list(wrt)
         self._seeds = [(value, grad) for value, grad in seeds if grad is not None]
         self._rules = {id(n): lookup(n.domain, n.op_type, self._opset_of(n)) for n in graph}
+
+    def _blocked_at(self, weight: ir.Value) -> str:
+        """Where ``weight`` (which has no differentiable path to the loss) meets a
+        non-differentiable input on its way there, e.g. "input 2 (max) of Clip node 'clip'";
+        "" when the loss does not depend on it at all."""
+        toward: set[int] = {id(self.loss)}
+        for node in reversed(list(self.graph)):
+            if any(id(o) in toward for o in node.outputs):
+                toward.update(id(v) for _, v in _edges(node))
+        if id(weight) not in toward:
+            return ""
+        forward = {id(weight)}
+        for node in self.graph:
+            rule = self._rules[id(node)]
+            for i, v in _edges(node):
+                if id(v) not in forward:
+                    continue
+                if _is_diff_edge(rule, i, v):
+                    forward.update(id(o) for o in node.outputs if is_float(o) or is_quantized(o))
+                elif any(id(o) in toward for o in node.outputs):
+                    return f"{self._input_text(node, i)} of {node.op_type} node {node.name!r}"
+        return ""
+
+    def _input_text(self, node: ir.Node, index: int) -> str:
+        if index >= len(node.inputs):
+            return "a value its subgraph reads"
+        try:
+            domain = "" if node.domain == "ai.onnx" else node.domain
+            schema = onnx.defs.get_schema(node.op_type, self._opset_of(node), domain)
+            formal = schema.inputs[min(index, len(schema.inputs) - 1)].name
+        except (onnx.defs.SchemaError, IndexError):
+            return f"input {index}"
+        return f"input {index} ({formal})"
 
     def _seed_targets(self) -> list[ir.Value]:
         return [value for value, _ in self._seeds]
