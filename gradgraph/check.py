@@ -546,9 +546,12 @@ def gradcheck(
         reason, op = _describe_failure(exc, grad_model, "gradient graph")
         raise GradientError(f"cannot check {model_desc}: {reason}", op_type=op) from exc
 
+    where = ("at the inputs given" if inputs is not None else
+             f"at random inputs (standard normal floats, integers 0 or 1, seed {seed})")
     return compare_with_central_differences(
         forward, loss, {w: analytic[g] for g, w in zip(grad_names, trained)}, feeds, eps=eps,
-        rtol=rtol, atol=atol, max_elements=max_elements, seed=seed, model_desc=model_desc)
+        rtol=rtol, atol=atol, max_elements=max_elements, seed=seed, model_desc=model_desc,
+        inputs_text=where)
 
 
 def compare_with_central_differences(
@@ -565,6 +568,7 @@ def compare_with_central_differences(
     float64_only: bool = False,
     kink_screen: KinkScreen | None = None,
     model_desc: str = "the model",
+    inputs_text: str = "at the inputs given",
 ) -> CheckReport:
     """The numeric side of the check: ``analytic`` gradients against central differences.
 
@@ -583,6 +587,10 @@ def compare_with_central_differences(
     trained = list(analytic)
     runs = 1 + 2 * sum(min(max_elements, int(np.asarray(a).size)) for a in analytic.values())
     oracle = _choose_oracle(forward, loss, trained, feeds, runs, model_desc, float64_only)
+    if not math.isfinite(oracle.f0):
+        raise GradientError(f"cannot check {model_desc}: its loss {loss!r} is {oracle.f0} "
+                            f"{inputs_text}, so no difference quotient is finite there; pass "
+                            "inputs where the model is defined (--inputs FILE.npz)")
     float32 = oracle.kind == ORACLE_FLOAT32_ORT
     low = low_precision_of(forward)
     low_tol = LOW_PRECISION_TOL[low] if low and not float32 else None

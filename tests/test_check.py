@@ -584,3 +584,31 @@ def test_report_is_a_sequence_of_rows(linear):
     assert len(report) == 1 and report[0].name == "w" and report[0].checked == 2
     assert [r.name for r in report] == ["w"] and report.ok
     assert re.fullmatch(r"float64 central differences in onnxruntime", report.oracle_text)
+
+
+NAN_AT_RANDOM_INPUTS = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[2, 3] x) => (float loss) <float[3] w = {1.5, 0.5, 2.}> {
+  y = Pow(x, w)
+  loss = ReduceSum<keepdims = 0>(y)
+}
+"""
+
+
+def test_a_loss_not_finite_at_the_inputs_is_an_input_problem(tmp_path, capsys):
+    """x ** 1.5 of a negative x is NaN: at random (normal) inputs the check cannot compare
+    anything, and says so and what to do (it used to fail the gradient as 'non-finite');
+    at inputs where the model is defined it passes."""
+    path = tmp_path / "pow.onnx"
+    onnx.save(parser.parse_model(NAN_AT_RANDOM_INPUTS), path)
+    code, out, err = _cli(capsys, str(path), "--loss", "loss")
+    assert code == 2 and "Traceback" not in err
+    assert ("its loss 'loss' is nan at random inputs (standard normal floats, integers 0 or 1, "
+            "seed 0), so no difference quotient is finite there; pass inputs where the model is "
+            "defined (--inputs FILE.npz)") in err
+    with pytest.raises(GradientError, match="is nan at the inputs given"):
+        gradcheck(parser.parse_model(NAN_AT_RANDOM_INPUTS), "loss",
+                  inputs={"x": -np.ones((2, 3), np.float32)})
+    np.savez(tmp_path / "x.npz", x=np.full((2, 3), 0.7, np.float32))
+    code, out, err = _cli(capsys, str(path), "--loss", "loss", "--inputs", str(tmp_path / "x.npz"))
+    assert code == 0, out + err
