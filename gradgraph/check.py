@@ -15,7 +15,9 @@ The oracle is the first of these that can run the model (:func:`gradcheck` repor
    Conv, ConvTranspose, AveragePool, Erf, ...). Only for models holding at most
    :data:`REFERENCE_MAX_VALUES` values (initializers + inputs) whose whole check is
    estimated, from one timed run, to take at most :data:`REFERENCE_MAX_SECONDS`; the
-   evaluator is pure numpy and slow. Same step and tolerances as 1.
+   evaluator is pure numpy and slow. Same step and tolerances as 1. Its loss must agree with
+   onnxruntime's float32 loss (:data:`REFERENCE_AGREEMENT`): a reference kernel that computes
+   another function is not an oracle.
 3. ``float32-ort``: central differences of the original float32 model in onnxruntime, with
    a relative step :data:`FLOAT32_EPS` (``h = eps * max(1, |x|)``) and tolerances
    :data:`FLOAT32_RTOL` and :data:`FLOAT32_ATOL` (the latter in units of ``max(1, |loss|)``,
@@ -97,8 +99,10 @@ KINK_ATOL = 1e-4
 # The ONNX reference evaluator is tried only on models with at most this many values
 # (initializers + inputs) ...
 REFERENCE_MAX_VALUES = 200_000
-# ... and only when one timed run predicts that the whole check takes at most this long.
+# ... and only when one timed run predicts that the whole check takes at most this long, and
+# its loss agrees with onnxruntime's float32 one within this, relative to max(1, |loss|).
 REFERENCE_MAX_SECONDS = 30.0
+REFERENCE_AGREEMENT = 1e-3
 
 ORACLE_FLOAT64_ORT = "float64-ort"
 ORACLE_FLOAT64_REFERENCE = "float64-reference"
@@ -462,10 +466,14 @@ def _choose_oracle(forward: onnx.ModelProto, loss: str, trained: Sequence[str],
                 reasons.append(f"the ONNX reference evaluator cannot run it either "
                                f"({type(exc).__name__}: {_short(exc, 200)})")
             else:
-                if estimate <= REFERENCE_MAX_SECONDS or float64_only:
+                differs = "" if float64_only else _reference_differs(forward, loss, trained, feeds, f0)
+                if differs:
+                    reasons.append(differs)
+                elif estimate <= REFERENCE_MAX_SECONDS or float64_only:
                     return _Oracle(ORACLE_FLOAT64_REFERENCE, reasons[0], loss_of, base64, f0)
-                reasons.append(f"the ONNX reference evaluator would take about {estimate:.0f} s "
-                               f"(limit {REFERENCE_MAX_SECONDS:g} s)")
+                else:
+                    reasons.append(f"the ONNX reference evaluator would take about {estimate:.0f} s "
+                                   f"(limit {REFERENCE_MAX_SECONDS:g} s)")
     if float64_only:
         raise GradientError(f"cannot check {model_desc}: no float64 oracle can run its forward "
                             "model: " + "; ".join(reasons))
@@ -480,6 +488,26 @@ def _choose_oracle(forward: onnx.ModelProto, loss: str, trained: Sequence[str],
         raise GradientError(f"cannot check {model_desc}: no oracle can run its forward model: "
                             + "; ".join(reasons + [reason]), op_type=op) from exc
     return _Oracle(ORACLE_FLOAT32_ORT, "; ".join(reasons), loss_of, base32, f0)
+
+
+def _reference_differs(forward: onnx.ModelProto, loss: str, trained: Sequence[str],
+                       feeds: Mapping[str, np.ndarray], f0: float) -> str:
+    """Why the reference evaluator's loss ``f0`` is not the model's: "" when it agrees with
+    onnxruntime's (the runtime the gradients are for) within :data:`REFERENCE_AGREEMENT` (or
+    the precision the model computes in) relative to ``max(1, |loss|)``, or onnxruntime cannot
+    run the model. A stock reference kernel that computes something else (LRN summed over the
+    batch axis) would make every entry of the check fail."""
+    try:
+        f32, trained32 = _with_trained_as_inputs(forward, loss, trained)
+        f_ort = _ort_loss(f32, loss)({**feeds, **trained32})
+    except Exception:  # noqa: BLE001 - then the reference is the only float64 oracle left
+        return ""
+    low = low_precision_of(forward)
+    tol = LOW_PRECISION_TOL[low] if low else REFERENCE_AGREEMENT
+    if not (math.isfinite(f0) and math.isfinite(f_ort)) or abs(f0 - f_ort) <= tol * max(1.0, abs(f_ort)):
+        return ""
+    return (f"the ONNX reference evaluator's loss ({f0:.7g}) differs from onnxruntime's "
+            f"({f_ort:.7g}): one of its kernels computes something else")
 
 
 # ---- the check ---------------------------------------------------------------------------------

@@ -214,11 +214,27 @@ class LpPool(_WindowPool):
         return ((sums ** (1.0 / p)).astype(x.dtype),)
 
 
+class LRN(OpRun):
+    """LRN summing squares over the channel window of each channel, as the spec and onnxruntime
+    do (the stock kernel loops over the batch axis instead of the channels: wrong whenever the
+    batch and channel counts differ)."""
+
+    op_domain = ""
+
+    def _run(self, x, alpha=1e-4, beta=0.75, bias=1.0, size=None):  # type: ignore[no-untyped-def]
+        channels = x.shape[1]
+        before, after = (size - 1) // 2, math.ceil((size - 1) / 2)
+        squares = x * x
+        square_sum = np.zeros_like(x)
+        for c in range(channels):
+            square_sum[:, c] = squares[:, max(0, c - before):min(channels, c + after + 1)].sum(axis=1)
+        return ((x / (bias + (alpha / size) * square_sum) ** beta).astype(x.dtype),)
+
 
 # ReferenceEvaluator matches these to nodes by class name.
 REFERENCE_OVERRIDES: list[type[OpRun]] = [
-    AveragePool, ConvTranspose, Erf, Gelu, GlobalAveragePool, GlobalMaxPool, LayerNormalization, LpPool, Mean,
-    Softsign,
+    AveragePool, ConvTranspose, Erf, Gelu, GlobalAveragePool, GlobalMaxPool, LayerNormalization, LpPool, LRN,
+    Mean, Softsign,
 ]
 
 

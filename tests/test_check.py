@@ -612,3 +612,36 @@ def test_a_loss_not_finite_at_the_inputs_is_an_input_problem(tmp_path, capsys):
     np.savez(tmp_path / "x.npz", x=np.full((2, 3), 0.7, np.float32))
     code, out, err = _cli(capsys, str(path), "--loss", "loss", "--inputs", str(tmp_path / "x.npz"))
     assert code == 0, out + err
+
+
+LRN_MODEL = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[2, 5, 3, 3] x) => (float loss) <float[5, 3, 3] w = {}> {
+  y = Mul(x, w)
+  n = LRN<size = 3, alpha = 0.5, beta = 0.75, bias = 1.>(y)
+  t = Tanh(n)
+  loss = ReduceSum<keepdims = 0>(t)
+}
+"""
+
+
+def _lrn_model() -> onnx.ModelProto:
+    model = parser.parse_model(LRN_MODEL.replace(" = {}", ""))
+    w = np.random.default_rng(3).uniform(0.5, 1.5, (5, 3, 3)).astype(np.float32)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(w, "w"))
+    return model
+
+
+def test_a_reference_kernel_that_disagrees_with_onnxruntime_is_not_the_oracle(monkeypatch):
+    """onnxruntime has no float64 LRN, so the reference evaluator is the float64 oracle; the
+    stock reference LRN sums over the batch axis (a different function: every entry failed).
+    Its loss is compared with onnxruntime's float32 one first: with the stock kernel the check
+    falls back to the float32 oracle and says why; with gradgraph's kernel it is the oracle."""
+    report = gradcheck(_lrn_model(), "loss")
+    assert report.oracle == check.ORACLE_FLOAT64_REFERENCE and report.ok, report
+    stock = [k for k in check.REFERENCE_OVERRIDES if k.__name__ != "LRN"]
+    monkeypatch.setattr(check, "REFERENCE_OVERRIDES", stock)
+    report = gradcheck(_lrn_model(), "loss")
+    assert report.oracle == check.ORACLE_FLOAT32_ORT and report.ok, report
+    assert re.search(r"the ONNX reference evaluator's loss \(\S+\) differs from onnxruntime's "
+                     r"\(\S+\): one of its kernels computes something else", report.oracle_reason)

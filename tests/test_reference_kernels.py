@@ -73,3 +73,22 @@ def test_pooling_kernels_are_float64() -> None:
     # corner window: only x[0, 0] is inside the input (count_include_pad=0)
     assert got[0, 0, 0, 0] == x[0, 0, 0, 0]
     assert got[0, 1, 2, 3] == pytest.approx(x[0, 1, 1:3, 2:4].mean(), rel=1e-15)
+
+
+@pytest.mark.parametrize("shape, size", [((2, 5, 3, 3), 3), ((3, 4, 2, 2), 7), ((1, 6, 2, 3), 5), ((4, 1, 2, 2), 1)])
+def test_lrn_kernel_matches_onnxruntime_and_torch(shape, size) -> None:
+    """LRN with batch != channels (the stock reference kernel loops over the batch axis)."""
+    torch = pytest.importorskip("torch")
+    attrs = {"size": size, "alpha": 0.3, "beta": 0.6, "bias": 1.5}
+    node = helper.make_node("LRN", ["x"], ["y"], **attrs)
+    graph = helper.make_graph([node], "lrn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    x = np.random.default_rng(size).standard_normal(shape).astype(np.float32)
+    ours = ReferenceEvaluator(model, new_ops=REFERENCE_OVERRIDES).run(None, {"x": x})[0]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6)
+    torch_y = torch.nn.functional.local_response_norm(torch.from_numpy(x.astype(np.float64)), size,
+                                                      alpha=0.3, beta=0.6, k=1.5).numpy()
+    np.testing.assert_allclose(ours, torch_y, rtol=1e-5, atol=1e-6)
