@@ -1,6 +1,6 @@
 """ORTModule against PyTorch eager: training-step time, first-call overhead, peak RSS.
 
-    python tools/bench_ortmodule.py [--models bert,gpt2] [--rounds 3] [--reps 10] [--threads 2]
+    python tools/bench_ortmodule.py [--models bert,gpt2] [--rounds 5] [--reps 10] [--threads 2]
 
 Models: the peer's BERT-like and GPT-2-like modules (../shared/peer/models_def.py: 4 layers,
 hidden 256, seq 128, batch 8, dropout 0.1 active), each returning its loss. One step =
@@ -9,7 +9,9 @@ for both peers: plain module (``torch``) and ``gradgraph.torch.ORTModule(module)
 (``ortmodule``). The peers alternate in rounds, each run in its own process (so a slow minute
 of the machine does not land on one peer only); printed per model: each peer's median step
 time over the rounds, the median of the per-round ratios ortmodule / torch with their min-max,
-ORTModule's first call (export + graph build + first step) and peak RSS.
+ORTModule's first call (export + graph build + first step) and peak RSS, then each peer's
+median forward / backward / optimizer milliseconds (medians over the rounds of per-round
+medians: they need not add up to the step's median).
 """
 
 from __future__ import annotations
@@ -45,24 +47,33 @@ def child(name: str, peer: str, args) -> dict:
         model = ORTModule(module, fallback="raise", threads=args.threads)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
 
+    phases: list[tuple[float, float, float]] = []  # forward, backward, optimizer seconds
+
     def step() -> float:
+        t0 = time.perf_counter()
         loss = model(*batch)
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return float(loss.detach())
 
     start = time.perf_counter()
     first_loss = step()
     first = time.perf_counter() - start
     timing = time_steps(step, args.warmup, args.reps)
-    return {"ok": True, "first_s": first, "first_loss": first_loss, **timing}
+    timed = phases[-args.reps:]  # the last attempt's timed calls (a busy machine may be re-measured)
+    split = {f"{name}_ms": statistics.median(p[i] for p in timed) * 1e3
+             for i, name in enumerate(("forward", "backward", "optimizer"))}
+    return {"ok": True, "first_s": first, "first_loss": first_loss, **timing, **split}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bert,gpt2")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -98,6 +109,10 @@ def main() -> None:
         print(f"{name:<6} {med['torch']:>9.1f} {med['ortmodule']:>12.1f} "
               f"{statistics.median(ratios):>8.2f} ({min(ratios):.2f}-{max(ratios):.2f})      "
               f"{first:>12.1f} {rss['torch']:>14.0f} / {rss['ortmodule']:.0f}")
+        for peer in PEERS:
+            parts = " / ".join(f"{statistics.median(r[peer][f'{k}_ms'] for r in good):.1f}"
+                               for k in ("forward", "backward", "optimizer"))
+            print(f"       {peer}: forward / backward / optimizer ms {parts}")
 
 
 if __name__ == "__main__":
