@@ -63,7 +63,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx_ir.passes import PassError
 
 from gradgraph.api import build_gradient_graph
-from gradgraph.feeds import check_feeds
+from gradgraph.feeds import InputError, check_feeds
 from gradgraph.io import load_model
 from gradgraph.reference_kernels import REFERENCE_OVERRIDES
 from passes.autodiff import GradientError
@@ -561,6 +561,11 @@ def gradcheck(
     grad_names = [g for g, _ in marked]
     trained = [w for _, w in marked]
     feeds = dict(inputs) if inputs is not None else random_inputs(forward, seed)
+    names = [i.name for i in forward.graph.input]
+    extra = sorted(set(feeds) - set(names))
+    if extra:
+        raise InputError(f"the inputs given hold {extra}, which {'is' if len(extra) == 1 else 'are'} "
+                         f"not an input of {model_desc}; its inputs are {names}")
     try:
         grad_session = _session(grad_model)
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types

@@ -645,3 +645,14 @@ def test_a_reference_kernel_that_disagrees_with_onnxruntime_is_not_the_oracle(mo
     assert report.oracle == check.ORACLE_FLOAT32_ORT and report.ok, report
     assert re.search(r"the ONNX reference evaluator's loss \(\S+\) differs from onnxruntime's "
                      r"\(\S+\): one of its kernels computes something else", report.oracle_reason)
+
+
+def test_an_array_that_is_no_input_of_the_model_is_refused(tmp_path, capsys):
+    """A misspelt input in --inputs was ignored (the check ran on the other arrays)."""
+    path = tmp_path / "pow.onnx"
+    onnx.save(parser.parse_model(NAN_AT_RANDOM_INPUTS), path)
+    np.savez(tmp_path / "x.npz", x=np.full((2, 3), 0.7, np.float32), X=np.ones((2, 3), np.float32))
+    code, out, err = _cli(capsys, str(path), "--loss", "loss", "--inputs", str(tmp_path / "x.npz"))
+    assert code == 2 and "Traceback" not in err
+    assert "the inputs given hold ['X'], which is not an input of model file" in err
+    assert "its inputs are ['x']" in err
