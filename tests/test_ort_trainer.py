@@ -61,6 +61,9 @@ def _assert_weights(trainer: ORTTrainer, ref: torch.nn.Module, rtol: float = RTO
     ({"batch": {"gradient_accumulation_steps": 2.5}}, "batch.gradient_accumulation_steps"),
     ({"batch": {"gradient_acumulation_steps": 2}}, "batch.gradient_acumulation_steps"),
     ({"device": {"mem_limit": -1}}, "device.mem_limit"),
+    ({"device": {"id": "tpu"}}, "device.id"),
+    ({"device": {"id": "cuda:x"}}, "device.id"),
+    ({"device": {3: "cpu"}}, "device"),
     ({"distributed": {"deepspeed_zero_optimization": {"stage": 2}}},
      "distributed.deepspeed_zero_optimization.stage"),
     ({"distributed": {"pipeline_parallel": {"sliced_axes": {"a": "x"}}}},
@@ -82,6 +85,12 @@ def _assert_weights(trainer: ORTTrainer, ref: torch.nn.Module, rtol: float = RTO
 ])
 def test_invalid_options_name_their_key_path(options, path):
     with pytest.raises(ValueError, match=f"'{path}'".replace("[", r"\[").replace("]", r"\]")):
+        ORTTrainerOptions(options)
+
+
+@pytest.mark.parametrize("options", [[1], "batch", 3])
+def test_options_that_are_not_a_dict_are_a_value_error(options):
+    with pytest.raises(ValueError, match="takes a dict of options"):
         ORTTrainerOptions(options)
 
 

@@ -114,6 +114,36 @@ def test_a_shape_only_read_stashes_the_shape_not_the_tensor():
         assert name not in split.stashed or read_by_backward_otherwise
 
 
+def test_nodes_that_reach_no_output_are_on_neither_side():
+    """A VJP graph (VjpSeedPass) holds ``vjp = ReduceSum(y * seed)``, of which only the gradient is
+    used: the backward must not recompute it, so it must not read the output ``y`` itself."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from passes.autodiff.gradient_pass import GradientPass
+    from passes.autodiff.vjp import VjpSeedPass
+
+    rng = np.random.default_rng(1)
+    w = numpy_helper.from_array(rng.standard_normal((4, 5)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "linear",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])], [w])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    vjp = VjpSeedPass()
+    vjp(model)
+    GradientPass(vjp.loss, ["w"])(model)
+    assert any(n.name == "y_vjp_mul" for n in model.graph)  # there before the split
+    feeds = {"x": rng.standard_normal((3, 4)).astype(np.float32),
+             "y_grad_output": rng.standard_normal((3, 5)).astype(np.float32)}
+    assert_split_exact(model, feeds)
+    split = split_forward_backward(model)
+    assert not any("vjp" in (n.name or "") for part in (split.forward, split.backward) for n in part.graph)
+    assert "y" not in {v.name for v in split.backward.graph.inputs}
+    assert split.stashed == ()
+    # the gradient is the VJP: x^T @ seed
+    grad = _run(_session(split.backward), feeds)["w_grad"]
+    np.testing.assert_allclose(grad, feeds["x"].T @ feeds["y_grad_output"], rtol=1e-5, atol=1e-6)
+
+
 def test_a_graph_without_backward_is_refused():
     proto, _ = _mlp()
     with pytest.raises(SplitError, match="no backward node"):

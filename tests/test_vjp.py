@@ -58,3 +58,30 @@ def test_selected_outputs_and_refusals():
         VjpSeedPass(["j"])(_model())
     with pytest.raises(ValueError, match="already has a value named 'y'"):
         VjpSeedPass(loss="y")(_model())
+
+
+def test_each_output_is_seeded_by_its_seed_directly():
+    """The gradient of the VJP scalar reads the seeds as the outputs' gradients: no node of the
+    gradient reads the product ``output * seed`` (so a split drops it, and the backward does not
+    read the output for it). Values against numpy float64: dx = (g_y + g_s) * (1 - tanh(x)^2)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from passes.autodiff.gradient_pass import GradientPass
+
+    model = _model()
+    vjp = VjpSeedPass()
+    vjp(model)
+    GradientPass(vjp.loss, ["x"])(model)
+    products = [n for n in model.graph if n.op_type == "Mul" and "vjp" in (n.name or "")]
+    assert products and all([u.node.op_type for u in n.outputs[0].uses()] == ["ReduceSum"] for n in products)
+    assert "x_grad" in {v.name for v in model.graph.outputs}
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    gy = rng.standard_normal((2, 3)).astype(np.float32)
+    gs = np.array(0.7, np.float32)
+    sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": x, "i": np.array([1, 2], np.int64), "y_grad_output": gy, "s_grad_output": gs}
+    got = sess.run(["x_grad"], feeds)[0]
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(got, (gy + 0.7) * (1 - np.tanh(x64) ** 2), rtol=1e-5, atol=1e-6)

@@ -13,7 +13,13 @@ Exporter traps (torch 2.13), handled here:
 2. its torchlib writes BatchNorm in inference mode even for a module in train mode: a custom
    translation keeps ``training_mode=1`` (batch statistics);
 3. when the dynamo exporter fails, the TorchScript exporter is tried (``training=TRAINING``,
-   no constant folding); its initializer names are the parameters' paths as well.
+   no constant folding); its initializer names are the parameters' paths as well;
+4. a forward that updates a buffer in place (``self.mean.mul_(0.9).add_(...)``, a step counter)
+   is exported without the update: the dynamo exporter lists it as a BUFFER_MUTATION of the
+   program and leaves it out of the ONNX graph. The call is run once before exporting to find
+   such buffers (their version counter or value changed; BatchNorm's own statistics are handled
+   by trap 2), and the wrapper then returns each one's new value after the module's outputs
+   (``ExportedCall.mutations`` names them, in that order), for the caller to write back.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ class ExportedCall:
     parameters: dict[str, str]  # ONNX initializer -> torch parameter path
     buffers: dict[str, str]  # ONNX initializer -> torch buffer path
     exporter: str
+    # torch paths of the buffers the call updates in place (trap 4): their new values are the
+    # graph outputs after the module's own, in this order
+    mutations: list[str] = dataclasses.field(default_factory=list)
 
 
 class _Flat(torch.nn.Module):
@@ -58,6 +67,7 @@ class _Flat(torch.nn.Module):
         self._in_spec = in_spec
         self._constants = constants  # leaves that are not tensors, by position
         self.out_spec: Any = None
+        self.mutations: list[str] = []  # buffers whose new values follow the outputs (trap 4)
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves, it = [], iter(tensors)
@@ -68,9 +78,11 @@ class _Flat(torch.nn.Module):
         flat, self.out_spec = pytree.tree_flatten(_plain(out))
         bad = [type(x).__name__ for x in flat if not isinstance(x, torch.Tensor)]
         if bad:
-            raise TypeError(f"ORTModule: the module returned non-tensor values ({', '.join(bad)}); "
+            hint = (" (a transformers key/value cache: pass use_cache=False to the call or set "
+                    "config.use_cache = False)" if any("Cache" in b for b in bad) else "")
+            raise TypeError(f"ORTModule: the module returned non-tensor values ({', '.join(bad)}){hint}; "
                             "return tensors, or tuples/lists/dicts of tensors")
-        return tuple(flat)
+        return (*flat, *(self.module.get_buffer(path).clone() for path in self.mutations))
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -127,12 +139,32 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
     # BatchNorm would update its running statistics. The buffers are put back afterwards.
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     try:
+        flat.mutations = _mutated_buffers(module, flat, tensors)
+        _restore(module, saved)  # the export stores the buffers' values as they are now
         return _export_first(module, flat, tensors, input_names, order, training, opset, dynamic)
     finally:
-        with torch.no_grad():
-            for name, buffer in module.named_buffers():
-                if name in saved:
-                    buffer.copy_(saved[name])
+        _restore(module, saved)
+
+
+def _restore(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in saved:
+                buffer.copy_(saved[name])
+
+
+def _mutated_buffers(module: torch.nn.Module, flat: _Flat, tensors: tuple) -> list[str]:
+    """The buffers that ``flat(*tensors)`` updates in place, BatchNorm's own statistics left out
+    (trap 4); the caller restores the buffers afterwards."""
+    norm_stats = {f"{path}.{name}" if path else name
+                  for path, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                  for name in ("running_mean", "running_var", "num_batches_tracked")}
+    buffers = [(n, b) for n, b in module.named_buffers() if n not in norm_stats]
+    before = [(b._version, b.detach().clone()) for _, b in buffers]
+    with torch.no_grad():
+        flat(*tensors)
+    return [n for (n, b), (version, value) in zip(buffers, before)
+            if b._version != version or b.shape != value.shape or not torch.equal(b, value)]
 
 
 def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_names: list[str],
@@ -140,6 +172,10 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
                   dynamic: list[dict[int, str]] | None) -> ExportedCall:
     errors = []
     for which in order:
+        if which == "legacy" and flat.mutations:
+            errors.append(f"legacy: the forward updates the buffers {flat.mutations} in place, which the "
+                          "TorchScript exporter bakes into constants")
+            continue
         try:
             model = _export(flat, tensors, input_names, which, training, opset, dynamic)
         except Exception as exc:  # noqa: BLE001 - each exporter's reason is reported
@@ -158,7 +194,8 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
             elif path in buffer_names:
                 buffers[init.name] = path
         return ExportedCall(model, [i.name for i in model.graph.input if i.name in set(input_names)],
-                            [o.name for o in model.graph.output], flat.out_spec, params, buffers, which)
+                            [o.name for o in model.graph.output], flat.out_spec, params, buffers, which,
+                            list(flat.mutations))
     raise ExportFailed("torch.onnx.export failed: " + "; ".join(errors))
 
 

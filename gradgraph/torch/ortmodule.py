@@ -48,6 +48,7 @@ from gradgraph.torch.export import ExportedCall, export_call
 from gradgraph.training.ort_state import release_free_memory
 from passes.autodiff.gradient_pass import GradientPass
 from passes.autodiff.vjp import VjpSeedPass
+from passes.forward.distinct_outputs import DistinctOutputsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
 from passes.kernels import WholeScoresLossPass, kernel_passes
@@ -173,6 +174,11 @@ class GraphRunner:
             self.fwd_outputs, {k: v for k, v in values.items() if k in self.fwd_inputs}, self.run_options)
         return dict(zip(self.fwd_outputs, outs))
 
+    def backward_reads(self) -> list[str]:
+        """The backward session's inputs other than the output gradients (seeds)."""
+        seeds = set(self.seeds.values())
+        return [n for n in self.bwd_inputs if n not in seeds] if self.backward is not None else []
+
     def run_backward(self, kept: dict[str, ort.OrtValue], values: dict[str, ort.OrtValue],
                      grad_outputs: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
         """Gradients by differentiated name; ``grad_outputs`` by user output name."""
@@ -203,6 +209,27 @@ def _training_batch_norms(module: torch.nn.Module) -> list[torch.nn.modules.batc
     return norms
 
 
+def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers by path, every alias of a shared one included."""
+    named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    named.update(dict(module.named_buffers(remove_duplicate=False)))
+    return named
+
+
+def _signature(training: bool, in_spec: Any, leaves: list, module: torch.nn.Module,
+               named: dict[str, torch.Tensor]) -> tuple:
+    """What a built graph depends on: the call's structure (which argument, keyword or dict key
+    holds which tensor, where the non-tensor values are and what they are), each tensor's shape,
+    dtype and requires_grad, train/eval of every submodule, and the module's parameters and
+    buffers (their paths, shapes, dtypes, and which parameters require grad)."""
+    call = tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
+                 else ("const", type(x).__name__, repr(x)) for x in leaves)
+    modes = tuple(m.training for m in module.modules())
+    weights = tuple((n, tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter) and t.requires_grad)
+                    for n, t in named.items())
+    return (training, in_spec, call, modes, weights)
+
+
 class _Engine:
     """The sessions of one call signature (module docstring)."""
 
@@ -210,23 +237,29 @@ class _Engine:
                  training: bool, train_norms: list[torch.nn.modules.batchnorm._BatchNorm]) -> None:
         module = owner.module
         self.exported = exported
-        named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
-        named.update(dict(module.named_buffers(remove_duplicate=False)))
+        named = _named_tensors(module)
         self.weights = {**exported.parameters, **exported.buffers}  # onnx name -> torch path
-        self._named = named
         model = ir.from_proto(exported.model)
         n_user = exported.output_spec.num_leaves
-        # outputs beyond the module's own are buffer updates of the dynamo export: not used yet
-        del model.graph.outputs[n_user:]
-        self.user_outputs = [o.name or "" for o in model.graph.outputs]
+        # after the module's own outputs: the new values of the buffers its forward updates in
+        # place (export.py, trap 4), written back after each call
+        del model.graph.outputs[n_user + len(exported.mutations):]
         # Parameters and buffers become inputs first: then onnxscript's optimizer (constant
         # folding, rewrite rules; what the exporter's optimize=True runs) cannot fold them.
         ParamsToInputsPass(list(self.weights))(model)
+        # a tensor returned twice, or an input or parameter returned as is: each output its own
+        # value (a seed each; torch sums their gradients). Before the optimizer, which would
+        # otherwise rename such an input (``input_0_orig``) to keep the output's name.
+        DistinctOutputsPass()(model)
         if owner._optimize:
             model = onnxscript.optimizer.optimize(model)
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
         PrepareForGradientPass(strict_parameters=False)(model)
         WholeScoresLossPass()(model)  # a loss over sliced logits: no copy of them, no Pad
+        DistinctOutputsPass()(model)  # again: the optimizer may merge equal outputs
+        self.user_outputs = [o.name or "" for o in model.graph.outputs[:n_user]]
+        self.mutation_outputs = {o.name or "": path for o, path in
+                                 zip(model.graph.outputs[n_user:], exported.mutations)}
         debug = owner._debug
         if debug.save_onnx:
             os.makedirs(os.path.dirname(os.path.abspath(debug.onnx_prefix)), exist_ok=True)
@@ -244,15 +277,18 @@ class _Engine:
                                   make_session=lambda m: _session(m, owner._threads),
                                   save_prefix=debug.onnx_prefix if debug.save_onnx else None)
 
-    def write_back(self, outputs: dict[str, ort.OrtValue]) -> None:
+    def write_back(self, outputs: dict[str, ort.OrtValue], named: dict[str, torch.Tensor]) -> None:
         """Buffers the forward updated (training BatchNorm's running statistics, exposed as
-        ``<buffer>.out`` by PrepareForGradientPass) are copied into the module's buffers, and
-        each training BatchNorm counts the batch (``num_batches_tracked``) as torch does."""
-        if not self.stat_outputs:
+        ``<buffer>.out`` by PrepareForGradientPass, and the buffers the module's forward updates
+        in place) are copied into the module's buffers, and each training BatchNorm counts the
+        batch (``num_batches_tracked``) as torch does."""
+        if not self.stat_outputs and not self.mutation_outputs:
             return
         with torch.no_grad():
+            for out, path in self.mutation_outputs.items():
+                named[path].copy_(_to_torch(outputs[out]))
             for onnx_name, out in self.stat_outputs.items():
-                buffer = self._named[self.weights[onnx_name]]
+                buffer = named[self.weights[onnx_name]]
                 # torch's unbiased running variance: computed in the graph (TorchConventionsPass
                 # marks torch's BatchNorms, ExposeRunningStatsPass corrects their update)
                 buffer.copy_(_to_torch(outputs[out]))
@@ -260,12 +296,19 @@ class _Engine:
                 if bn.num_batches_tracked is not None:
                     bn.num_batches_tracked.add_(1)
 
-    def tensors(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The runner's feeds: the call's tensors, then the module's weights."""
-        return (*inputs, *(self._named[path] for path in self.weights.values()))
+    def tensors(self, inputs: list[torch.Tensor], named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The runner's feeds: the call's tensors, then the module's weights as they are now
+        (a parameter replaced since the build, by ``load_state_dict(assign=True)`` or an
+        assignment, is the one read)."""
+        return (*inputs, *(named[path] for path in self.weights.values()))
 
 
 class _Function(torch.autograd.Function):
+    """Forward and backward sessions under autograd. What the backward session reads (the
+    forward's stash, and those feeds it needs) is saved with ``save_for_backward`` as torch
+    tensors sharing the memory: torch frees it after the backward unless ``retain_graph``, and
+    raises its usual error when a saved input was modified in place before the backward."""
+
     @staticmethod
     def forward(ctx, runner: GraphRunner, after_forward: Any,  # type: ignore[override]
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -274,7 +317,19 @@ class _Function(torch.autograd.Function):
         if after_forward is not None:
             after_forward(kept)
         results = tuple(_to_torch(kept[n]) for n in runner.user_outputs)
-        ctx.runner, ctx.values, ctx.kept = runner, values, kept
+        read = runner.backward_reads()
+        as_output = {n: r for n, r in zip(runner.user_outputs, results)}
+        saved_names, saved = [], []
+        for name, t in zip(runner.feed_names, tensors):
+            if name in read and name not in kept:
+                saved_names.append(name)
+                saved.append(t)
+        for name in read:
+            if name in kept:
+                saved_names.append(name)
+                saved.append(as_output[name] if name in as_output else _to_torch(kept[name]))
+        ctx.save_for_backward(*saved)
+        ctx.runner, ctx.saved_names = runner, saved_names
         ctx.shapes = [(r.shape, r.dtype) for r in results]
         for r in results:
             if not r.is_floating_point():
@@ -283,13 +338,17 @@ class _Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor | None):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError("ORTModule: a backward with create_graph=True (double backward, "
+                               "torch.autograd.grad(..., create_graph=True)) is not supported: its "
+                               "backward runs in onnxruntime and has no gradient of its own")
         runner: GraphRunner = ctx.runner
+        stash = {n: _to_ort(t) for n, t in zip(ctx.saved_names, ctx.saved_tensors)}
         seeds = {}
         for name, g, (shape, dtype) in zip(runner.user_outputs, grad_outputs, ctx.shapes):
             if name in runner.seeds:
                 seeds[name] = _to_ort(torch.zeros(shape, dtype=dtype) if g is None else g.to(dtype))
-        grads = runner.run_backward(ctx.kept, ctx.values, seeds)
-        del ctx.kept, ctx.values
+        grads = runner.run_backward(stash, {}, seeds)
         return (None, None, *(_to_torch(grads[n]) if n in grads else None for n in runner.feed_names))
 
 
@@ -318,13 +377,14 @@ class ORTModule(torch.nn.Module):
 
     # ---- the call -------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        leaves, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        named = _named_tensors(self.module)
         # a gradient graph whenever autograd will want one (torch's eval mode still gives grads)
         training = torch.is_grad_enabled() and (
-            any(p.requires_grad for p in self.module.parameters()) or any(t.requires_grad for t in tensors))
-        key = (training, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
-               tuple(repr(x) for x in leaves if not isinstance(x, torch.Tensor)))
+            any(t.requires_grad for t in named.values() if isinstance(t, torch.nn.Parameter))
+            or any(t.requires_grad for t in tensors))
+        key = _signature(training, in_spec, leaves, self.module, named)
         bad = [t.device.type for t in tensors if t.device.type != "cpu"]
         if bad:
             raise RuntimeError(f"ORTModule runs on CPU tensors for now; got tensors on {sorted(set(bad))} "
@@ -334,14 +394,23 @@ class ORTModule(torch.nn.Module):
         engine = self._engines[key]
         if engine is None:  # this signature falls back to PyTorch
             return self.module(*args, **kwargs)
-        feeds = engine.tensors(tensors)
+        feeds = engine.tensors(tensors, named)
         if training:
-            outs = apply_runner(engine.runner, feeds, engine.write_back)
+            outs = apply_runner(engine.runner, feeds, lambda kept: engine.write_back(kept, named))
         else:
             runner = engine.runner
             kept = runner.run_forward({n: _to_ort(t) for n, t in zip(runner.feed_names, feeds)})
+            engine.write_back(kept, named)  # a train-mode BatchNorm under no_grad updates its statistics
             outs = tuple(_to_torch(kept[n]) for n in runner.user_outputs)
         return pytree.tree_unflatten(list(outs), engine.exported.output_spec)
+
+    def __getstate__(self) -> dict:
+        # onnxruntime sessions do not pickle: a copy (copy.deepcopy, torch.save) rebuilds its
+        # graphs on its first call
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        state = dict(state)
+        state["_engines"] = {}
+        return state
 
     def _build(self, key: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
                training: bool) -> _Engine | None:

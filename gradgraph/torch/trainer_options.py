@@ -18,6 +18,7 @@ gradgraph's departures, where the reference's value cannot apply:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +40,7 @@ _STRING_LIST = {"type": "list", "schema": {"type": "string"}}
 
 SCHEMA: dict[str, Any] = _group(
     batch=_group(gradient_accumulation_steps=_opt("integer", 1, min=1)),
-    device=_group(id=_opt("string", "cuda"), mem_limit=_opt("integer", 0, min=0)),
+    device=_group(id=_opt("string", "cuda", pattern=r"cpu|cuda(:\d+)?", words="'cpu', 'cuda' or 'cuda:N'"), mem_limit=_opt("integer", 0, min=0)),
     distributed=_group(
         world_rank=_opt("integer", 0, min=0),
         world_size=_opt("integer", 1, min=1),
@@ -137,6 +138,8 @@ def _check_type(path: str, rule: dict[str, Any], value: Any) -> Any:
             raise _fail(path, rule, value)
     elif kind == "string" and not isinstance(value, str):
         raise _fail(path, rule, value)
+    elif kind == "string" and "pattern" in rule and not re.fullmatch(rule["pattern"], value):
+        raise ValueError(f"ORTTrainerOptions: {path!r} must be {rule['words']}; got {value!r}")
     elif kind == "boolean" and not isinstance(value, bool):
         raise _fail(path, rule, value)
     elif kind == "callable" and not callable(value):
@@ -192,6 +195,10 @@ def _validate(path: str, schema: dict[str, Any], given: Any) -> dict[str, Any]:
     if not isinstance(given, Mapping):
         raise ValueError(f"ORTTrainerOptions: {path or 'options'!r} must be a dict of options, got "
                          f"{type(given).__name__}")
+    bad_keys = [k for k in given if not isinstance(k, str)]
+    if bad_keys:
+        raise ValueError(f"ORTTrainerOptions: {path or 'options'!r} has a key that is not a string: "
+                         f"{bad_keys[0]!r}")
     aliases = _ALIASES.get(path, {})
     given = {aliases.get(k, k): v for k, v in given.items()}
     fields = schema["schema"]
@@ -250,6 +257,9 @@ class ORTTrainerOptions(_Group):
     """``ORTTrainerOptions(options={})``: validated on construction (see the module docstring)."""
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"ORTTrainerOptions takes a dict of options (e.g. {{'batch': "
+                             f"{{'gradient_accumulation_steps': 4}}}}), got {type(options).__name__}")
         given = dict(options or {})
         super().__init__(_validate("", SCHEMA, given), "")
         self._given = given

@@ -23,6 +23,7 @@ import onnx_ir as ir
 from passes.autodiff.builder import NodeView, OpBuilder, Var, scope_taken_names, shape_dims
 from passes.autodiff.errors import GradientError
 from passes.autodiff.registry import GradRule, lookup
+from passes.autodiff.vjp import VJP_KEY
 from passes.marks import GRAD_OF_KEY, GRADIENT_OF_KEY, OUTPUT_KEY, STAGE_KEY, OutputRole, Role
 
 # The mark passes.exports.ClassifyWeightsPass puts on initializers (parameter/buffer/constant);
@@ -128,6 +129,7 @@ class GradientSweep:
         self.values = self._index_values()
         self.loss = self._find_loss(loss)
         self.weights = self._find_weights(weights)
+        self._vjp = self._vjp_terms()
         self._all_initializers = weights is None
         self.opset_imports = dict(model.opset_imports)
         self.b = OpBuilder(self.opset, self.opset_imports)
@@ -253,8 +255,34 @@ class GradientSweep:
         return f"input {index} ({formal})"
 
     def _seed_targets(self) -> list[ir.Value]:
-        """The values whose gradient is seeded (the loss)."""
-        return [self.loss]
+        """The values whose gradient is seeded: the loss, or the outputs of a VJP loss."""
+        return [output for output, _ in self._vjp] if self._vjp else [self.loss]
+
+    def _vjp_terms(self) -> list[tuple[ir.Value, ir.Value]]:
+        """(output, seed) pairs when the loss is the VJP scalar of :class:`VjpSeedPass`
+        (``Sum`` of ``ReduceSum(Mul(output, seed))``, the seed a graph input of the output's
+        type and shape): the gradient of each output is then its seed, used as it is rather
+        than differentiated through the product and the sum (which stay unread, so a split
+        drops them). Else []."""
+        if self.graph.metadata_props.get(VJP_KEY) != self.loss.name:
+            return []
+        total = self.loss.producer()
+        sums = list(total.inputs) if total is not None and total.op_type == "Sum" else [self.loss]
+        inputs = {id(v) for v in self.graph.inputs}
+        pairs = []
+        for term in sums:
+            reduce = term.producer() if term is not None else None
+            if reduce is None or reduce.op_type != "ReduceSum" or len(reduce.inputs) != 1:
+                return []
+            product = reduce.inputs[0].producer() if reduce.inputs[0] is not None else None
+            if product is None or product.op_type != "Mul":
+                return []
+            output, seed = product.inputs
+            if (output is None or seed is None or id(seed) not in inputs
+                    or seed.shape != output.shape or seed.dtype != output.dtype):
+                return []
+            pairs.append((output, seed))
+        return pairs
 
     def _path(self, value: ir.Value, toward_loss: dict[int, ir.Value]) -> list[str]:
         path = [_describe(value)]
@@ -292,7 +320,13 @@ class GradientSweep:
                               stacklevel=2)
         b = self.b
         b.marks = {STAGE_KEY: Role.BACKWARD.value}
-        seeds = {id(self.loss): [self._seed()]} if id(self.loss) in needs else {}
+        seeds: dict[int, list[Var]] = {}
+        if self._vjp:
+            for output, seed in self._vjp:
+                if id(output) in needs:
+                    seeds.setdefault(id(output), []).append(b.wrap(seed))
+        elif id(self.loss) in needs:
+            seeds[id(self.loss)] = [self._seed()]
         total = self._sweep(active, needs, toward_loss, seeds)
 
         b.prefix = "grad_outputs"

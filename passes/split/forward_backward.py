@@ -20,6 +20,9 @@ Where the cut goes is read from the node marks (:mod:`passes.marks`), never from
    scaling), then the graph inputs it reads; its outputs are the graph outputs the backward side
    produces. Each side keeps the initializers it reads (a copy when both read one: make weights
    inputs first, :class:`passes.forward.ParamsToInputsPass`, to share them).
+5. a node none of whose values reaches a graph output (the ``vjp`` product and sum that
+   :class:`passes.autodiff.VjpSeedPass` adds: only its gradient is used) is on neither side, so
+   the forward stashes nothing for it and the backward does not recompute it.
 
 The split is exact: running the forward, then the backward on the forward's stash, gives the
 same values as running the whole graph.
@@ -84,6 +87,8 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
         raise SplitError("the graph has no backward node (no node is marked gradgraph.stage = "
                          "backward): build the gradient graph first (GradientPass)")
     nodes = list(graph)
+    dead = _dead_nodes(graph)
+    sides = [b and id(n) not in dead for n, b in zip(nodes, sides)]
     back_ids = {id(n) for n, b in zip(nodes, sides) if b}
     graph_outputs = {id(v) for v in graph.outputs}
 
@@ -91,7 +96,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     copied_constants: set[int] = set()  # node indices
     crossing: list[ir.Value] = []  # node outputs are distinct values: no duplicates
     for index, (node, back) in enumerate(zip(nodes, sides)):
-        if back:
+        if back or id(node) in dead:
             continue
         for value in node.outputs:
             if not any(id(u.node) in back_ids for u in value.uses()):
@@ -114,7 +119,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     _fill_shape_only_shapes(proto, {v.name for v in crossing})
     forward = ir.from_proto(proto)
     backward = ir.from_proto(proto)
-    keep_in_forward = {i for i, b in enumerate(sides) if not b}
+    keep_in_forward = {i for i, (n, b) in enumerate(zip(nodes, sides)) if not b and id(n) not in dead}
     keep_in_backward = {i for i, b in enumerate(sides) if b} | copied_constants
 
     # Forward: the forward side, outputs = user outputs + stash.
@@ -150,6 +155,19 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
         stashed=tuple(v.name or "" for v in stashed),
         from_forward=tuple(v.name or "" for v in stashed + outputs_read),
         from_caller=tuple(v.name or "" for v in graph_inputs_read))
+
+
+def _dead_nodes(graph: ir.Graph) -> set[int]:
+    """Ids of the nodes none of whose values reaches a graph output (rule 5). A value read inside
+    a subgraph counts as used: the reader's owner is not resolved. Nodes are in graph order,
+    so a node's readers are decided before it."""
+    outputs = {id(v) for v in graph.outputs}
+    dead: set[int] = set()
+    for node in reversed(list(graph)):
+        if not any(id(v) in outputs or any(id(u.node) not in dead for u in v.uses())
+                   for v in node.outputs):
+            dead.add(id(node))
+    return dead
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str | None, ir.Value]:

@@ -1,0 +1,258 @@
+"""ORTModule behaves like the module it wraps in the corners a torch user relies on.
+
+Oracle: the same module run in plain PyTorch (a deep copy), outputs and gradients compared with
+rel 1e-5 (abs 1e-6; float32 arithmetic in a different order). Each test names the torch behaviour
+it checks: the graph cache keyed on everything a graph depends on (keyword order, where a None
+sits, dict keys, train/eval of every submodule, which parameters require grad), parameters read
+as they are now, odd outputs (the same tensor twice, an input or a parameter returned as is),
+buffers the forward updates, and autograd's rules on saved tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gradgraph.torch import ORTModule  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=what)
+
+
+def _grads_equal(ref: torch.nn.Module, mine: torch.nn.Module) -> None:
+    for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
+        if p.grad is None:
+            assert q.grad is None or not q.grad.abs().max(), name
+        else:
+            assert q.grad is not None, f"{name}: no gradient through ORTModule"
+            _close(q.grad, p.grad, name)
+
+
+def _pair(module: torch.nn.Module) -> tuple[torch.nn.Module, ORTModule]:
+    return module, ORTModule(copy.deepcopy(module), fallback="raise")
+
+
+class Affine(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale=None, bias=None):
+        y = self.lin(x)
+        if scale is not None:
+            y = y * scale
+        if bias is not None:
+            y = y + bias
+        return y
+
+
+def test_keyword_order_none_position_and_dict_keys_give_their_own_graphs():
+    torch.manual_seed(0)
+    ref, mine = _pair(Affine())
+    x, a, b = torch.randn(3, 4), torch.randn(4), torch.randn(4) + 2
+    calls = [((x,), {"scale": a, "bias": b}), ((x,), {"bias": a, "scale": b}),  # same shapes, swapped
+             ((x, None, a), {}), ((x, a, None), {})]  # where the None sits
+    for args, kwargs in calls:
+        _close(mine(*args, **kwargs), ref(*args, **kwargs), f"{kwargs or args}")
+
+    class Keys(torch.nn.Module):
+        def forward(self, d):
+            return d["p"] * 2 + d["q"]
+
+    ref_k, mine_k = _pair(Keys())
+    p, q = torch.randn(3), torch.randn(3)
+    for d in ({"p": p, "q": q}, {"q": p, "p": q}):  # the keys name other tensors now
+        _close(mine_k(d), ref_k(d))
+
+
+class Drop(torch.nn.Module):
+    """BatchNorm and Dropout: what train and eval change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.bn(self.lin(x)))
+
+
+def test_train_eval_train_switches_graphs_and_keeps_the_statistics():
+    torch.manual_seed(0)
+    ref, mine = _pair(Drop())
+    x = torch.randn(8, 4)
+    for mode in ("train", "eval", "train", "eval"):
+        ref.train(mode == "train")
+        mine.train(mode == "train")
+        out_ref, out_mine = ref(x), mine(x)
+        if mode == "eval":  # no dropout: outputs comparable
+            _close(out_mine, out_ref, "eval output")
+        for (name, b), (_, c) in zip(ref.named_buffers(), mine.named_buffers()):
+            _close(c.float(), b.float(), f"{mode}: {name}")
+    assert int(mine.module.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked) == 2
+    # a submodule switched alone is part of the signature too
+    ref.eval()
+    mine.eval()
+    ref.bn.train()
+    mine.module.bn.train()
+    with torch.no_grad():
+        out_ref, out_mine = ref(x), mine(x)
+    _close(out_mine, out_ref, "eval with a train-mode BatchNorm")
+    _close(mine.module.bn.running_mean, ref.bn.running_mean, "running_mean under no_grad")
+
+
+class Odd(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, h, x, self.lin.weight
+
+
+def test_the_same_tensor_twice_an_input_and_a_parameter_returned_as_they_are():
+    torch.manual_seed(0)
+    ref, mine = _pair(Odd())
+    x = torch.randn(3, 4)
+    xs = [x.clone().requires_grad_(True), x.clone().requires_grad_(True)]
+    for module, x in zip((ref, mine), xs):
+        h1, h2, x_out, w = module(x)
+        ((h1 ** 2).sum() + 3 * (h2 ** 3).sum() + (x_out * 5).sum() + (w ** 2).sum()).backward()
+    _grads_equal(ref, mine.module)
+    _close(xs[1].grad, xs[0].grad, "input gradient")
+
+
+def test_a_parameter_unfrozen_or_replaced_after_the_first_call_is_seen():
+    torch.manual_seed(0)
+    ref, mine = _pair(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)))
+    for m in (ref, mine.module):
+        m[0].weight.requires_grad_(False)
+    x = torch.randn(5, 4)
+    ref(x).sum().backward()
+    mine(x).sum().backward()
+    assert mine.module[0].weight.grad is None
+    for m in (ref, mine.module):
+        m[0].weight.requires_grad_(True)
+        m.zero_grad()
+    ref(x).sum().backward()
+    mine(x).sum().backward()
+    _grads_equal(ref, mine.module)
+    # load_state_dict(assign=True) replaces the Parameter objects: the new ones are read
+    state = {k: v * 0.5 for k, v in ref.state_dict().items()}
+    ref.load_state_dict(state, assign=True)
+    mine.module.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+    _close(mine(x), ref(x), "after load_state_dict(assign=True)")
+
+
+class Normalizer(torch.nn.Module):
+    """A forward that updates buffers in place (a running mean, a step counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+                self.count.add_(1)
+        return self.lin(x - self.mean)
+
+
+def test_buffers_the_forward_updates_in_place_are_written_back():
+    torch.manual_seed(0)
+    ref, mine = _pair(Normalizer())
+    for step in range(3):
+        x = torch.randn(5, 4) + 3
+        out_ref, out_mine = ref(x), mine(x)
+        _close(out_mine, out_ref, f"step {step}")
+        out_ref.sum().backward()
+        out_mine.sum().backward()
+        _close(mine.module.mean, ref.mean, f"step {step}: mean")
+        assert int(mine.module.count) == int(ref.count) == step + 1
+    _grads_equal(ref, mine.module)
+    ref.eval()
+    mine.eval()
+    x = torch.randn(5, 4)
+    _close(mine(x), ref(x), "eval")
+    assert int(mine.module.count) == 3
+
+
+def test_a_graph_may_be_backpropagated_twice_with_retain_graph():
+    torch.manual_seed(0)
+    ref, mine = _pair(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()))
+    x = torch.randn(3, 4)
+    for m in (ref, mine):
+        out = m(x).sum()
+        out.backward(retain_graph=True)
+        out.backward()
+    _grads_equal(ref, mine.module)
+    # without retain_graph, a second backward is torch's error, not a crash
+    out = mine(x).sum()
+    out.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.backward()
+
+
+def test_an_input_modified_in_place_before_backward_is_torchs_error():
+    torch.manual_seed(0)
+    mine = ORTModule(torch.nn.Linear(4, 4), fallback="raise")
+    x = torch.randn(3, 4, requires_grad=True)
+    y = x * 1  # a non-leaf the backward reads (the weight's gradient needs it)
+    out = mine(y)
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_create_graph_is_refused_with_a_clear_error():
+    mine = ORTModule(torch.nn.Linear(4, 4), fallback="raise")
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(mine(x).sum(), x, create_graph=True)
+
+
+def test_copies_and_pickles_rebuild_their_graphs():
+    torch.manual_seed(0)
+    ref, mine = _pair(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()))
+    x = torch.randn(3, 4)
+    mine(x)  # sessions built
+    twin = copy.deepcopy(mine)
+    buffer = io.BytesIO()
+    torch.save(mine, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (twin, loaded):
+        assert not other._engines
+        _close(other(x), ref(x))
+
+
+def test_a_key_value_cache_output_falls_back_with_the_use_cache_hint():
+    class DynamicCache:  # what a transformers model returns by default with use_cache=True
+        pass
+
+    class WithCache(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x), DynamicCache()
+
+    with pytest.warns(RuntimeWarning, match="use_cache=False"):
+        out = ORTModule(WithCache())(torch.randn(3, 2))
+    assert isinstance(out[1], DynamicCache)  # the module ran in PyTorch
