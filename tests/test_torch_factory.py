@@ -92,3 +92,39 @@ def test_run_options_reach_every_run_and_device_index_is_checked():
                           device_index=1)
     assert gpu._provider_options() == [{"device_id": "1"}, {}]
     assert TorchOrtFactory(_model(), ["zeta_w1"])._provider_options() is None
+
+
+def _returns_weight_and_input():
+    """Y = X @ W, returning Y, the weight W and the input X as they are."""
+    w = numpy_helper.from_array(np.random.default_rng(1).standard_normal((3, 2)).astype(np.float32), "W")
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W"], ["Y"]), helper.make_node("Relu", ["Y"], ["Z"])], "g",
+        [info("X", TensorProto.FLOAT, [4, 3])],
+        [info("Y", TensorProto.FLOAT, [4, 2]), info("W", TensorProto.FLOAT, [3, 2]),
+         info("X", TensorProto.FLOAT, [4, 3]), info("Z", TensorProto.FLOAT, [4, 2])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), numpy_helper.to_array(w)
+
+
+@pytest.mark.parametrize("output_names", [None, ["Z", "W", "Y", "Z", "X"]])
+def test_outputs_that_are_weights_inputs_or_repeated_get_every_gradient(output_names):
+    # An output that is a weight or an input as it is, or a name listed twice, is its own value:
+    # torch sums the gradients of every use (this was silently dropped before).
+    model, w_init = _returns_weight_and_input()
+    names = output_names or ["Y", "W", "X", "Z"]
+    cls = TorchOrtFactory(model, ["W"], output_names=output_names).create_class()
+    x0 = torch.from_numpy(np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32))
+    factors = [float(k + 2) for k in range(len(names))]  # a distinct factor per output
+
+    x, w = x0.clone().requires_grad_(), torch.from_numpy(w_init.copy()).requires_grad_()
+    outs = cls.apply(x, w)
+    sum(f * o.sum() for f, o in zip(factors, outs)).backward()
+
+    xr, wr = x0.clone().requires_grad_(), torch.from_numpy(w_init.copy()).requires_grad_()
+    yr = xr @ wr
+    ref = {"Y": yr, "W": wr, "X": xr, "Z": torch.relu(yr)}
+    for name, out in zip(names, outs):
+        torch.testing.assert_close(out, ref[name].detach(), rtol=1e-6, atol=1e-6)
+    sum(f * ref[n].sum() for n, f in zip(names, factors)).backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-6)

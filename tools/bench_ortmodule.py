@@ -12,6 +12,12 @@ time over the rounds, the median of the per-round ratios ortmodule / torch with 
 ORTModule's first call (export + graph build + first step) and peak RSS, then each peer's
 median forward / backward / optimizer milliseconds (medians over the rounds of per-round
 medians: they need not add up to the step's median).
+
+The bound: the step's FLOPs (forward + backward, torch's FlopCounterMode) and the GEMM peak of
+onnxruntime on this machine (a 2048x2048 float32 MatMul, same threads), both measured by
+``bench_training.py``'s children in this run; printed are ORTModule's achieved GFLOP/s, its
+share of the peak, and the floor ratio: the step's FLOPs at the GEMM peak against torch's step,
+i.e. the ratio ORTModule would reach if every FLOP ran at the peak and nothing else took time.
 """
 
 from __future__ import annotations
@@ -85,6 +91,14 @@ def main() -> None:
         return
     if not (PEER / "models_def.py").exists():
         sys.exit(f"peer material not found at {PEER} (set GRADGRAPH_PEER_DIR)")
+    bench_training = str(Path(__file__).resolve().parent / "bench_training.py")
+    common = [f"--threads={args.threads}", "--provider=cpu"]
+    gemm = run_child([sys.executable, bench_training, "--child", "gemm", *common])
+    if gemm.get("ok"):
+        print(f"GEMM peak: {gemm['gflops']:.1f} GFLOP/s (2048x2048 float32 MatMul in onnxruntime "
+              f"{gemm.get('onnxruntime')}, {args.threads} threads)")
+    else:
+        print(f"WARNING: GEMM peak not measured: {gemm.get('error')}")
     env_note = f"{args.threads} threads, {args.rounds} rounds, median of {args.reps} steps after {args.warmup} warm-ups"
     print(f"training step (forward + backward + torch AdamW), {env_note}")
     print(f"{'model':<6} {'torch ms':>9} {'ortmodule ms':>12} {'ratio (min-max)':>22} "
@@ -113,6 +127,16 @@ def main() -> None:
             parts = " / ".join(f"{statistics.median(r[peer][f'{k}_ms'] for r in good):.1f}"
                                for k in ("forward", "backward", "optimizer"))
             print(f"       {peer}: forward / backward / optimizer ms {parts}")
+        flops = run_child([sys.executable, bench_training, "--child", "flops", "--model", name, *common])
+        if flops.get("ok") and gemm.get("ok"):
+            gflop = flops["flops"] / 1e9
+            achieved = gflop / (med["ortmodule"] * 1e-3)
+            floor_ms = gflop / gemm["gflops"] * 1e3
+            print(f"       step {gflop:.2f} GFLOP: ortmodule {achieved:.1f} GFLOP/s = "
+                  f"{100 * achieved / gemm['gflops']:.0f}% of the GEMM peak; at the peak the step "
+                  f"would take {floor_ms:.1f} ms = {floor_ms / med['torch']:.2f} of torch's")
+        elif not flops.get("ok"):
+            print(f"       FLOP count failed: {flops.get('error')}")
 
 
 if __name__ == "__main__":

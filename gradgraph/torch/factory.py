@@ -25,6 +25,7 @@ import torch
 from gradgraph.io import load_model
 from gradgraph.torch.ortmodule import GraphRunner, _to_ort, _to_torch, apply_runner
 from gradgraph.validate import check_names
+from passes.forward.distinct_outputs import DistinctOutputsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
 from passes.kernels import WholeScoresLossPass
@@ -120,20 +121,25 @@ class TorchOrtFactory:
                      debug: bool = False) -> type[TorchOrtFunction]:
         """A ``torch.autograd.Function`` subclass running the graph (module docstring)."""
         model = ir.from_proto(self.onnx_model)
-        keep = set(self.output_names)
-        for output in list(model.graph.outputs):
-            if output.name not in keep:
-                model.graph.outputs.remove(output)
+        # the graph's outputs become the user's, in output_names order (a name may repeat)
+        by_name = {o.name: o for o in model.graph.outputs}
+        model.graph.outputs.clear()
+        model.graph.outputs.extend(by_name[n] for n in self.output_names)
+        n_user = len(self.output_names)
         PrepareForGradientPass(strict_parameters=False)(model)
         WholeScoresLossPass()(model)  # a loss over sliced scores: no copy of them, no Pad
         # outputs the preparation exposed (Dropout masks, running statistics) are not the user's
         ParamsToInputsPass(self.weights_to_train)(model)
+        # an output repeated, or a weight or input returned as it is: each its own value (a seed
+        # each, their gradients summed), named anew
+        DistinctOutputsPass()(model)
+        runner_outputs = [o.name or "" for o in model.graph.outputs[:n_user]]
         feed_names = self.input_names + self.weights_to_train
         float_inputs = [n for n in self.input_names
                         if any(v.name == n and v.dtype is not None and v.dtype.is_floating_point()
                                for v in model.graph.inputs)]
         pre_grad = ir.to_proto(model) if keep_models else None
-        runner = GraphRunner(model, feed_names, float_inputs + self.weights_to_train, self.output_names,
+        runner = GraphRunner(model, feed_names, float_inputs + self.weights_to_train, runner_outputs,
                              training=True, make_session=self._session, run_options=self.run_options)
         if enable_logging:
             logger.info("TorchOrtFactory: %s built; forward outputs %d, backward inputs %d",
