@@ -191,6 +191,35 @@ def test_buffers_the_forward_updates_in_place_are_written_back():
     assert int(mine.module.count) == 3
 
 
+class Reassigner(torch.nn.Module):
+    """Buffers reassigned, not updated in place: ``self.ema = 0.9 * self.ema + ...``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(0)
+        return self.lin(x - self.ema) * self.calls
+
+
+def test_buffers_the_forward_reassigns_are_written_back():
+    torch.manual_seed(0)
+    ref, mine = _pair(Reassigner())
+    for step in range(3):
+        x = torch.randn(5, 4) + 1
+        out_ref, out_mine = ref(x), mine(x)
+        _close(out_mine, out_ref, f"step {step}")
+        out_ref.sum().backward()
+        out_mine.sum().backward()
+        _close(mine.module.ema, ref.ema, f"step {step}: ema")
+        assert float(mine.module.calls) == float(ref.calls) == step + 1
+    _grads_equal(ref, mine.module)
+
+
 def test_a_graph_may_be_backpropagated_twice_with_retain_graph():
     torch.manual_seed(0)
     ref, mine = _pair(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()))

@@ -15,9 +15,9 @@ Exporter traps (torch 2.13), handled here:
 3. when the dynamo exporter fails, the TorchScript exporter is tried (``training=TRAINING``,
    no constant folding); its initializer names are the parameters' paths as well;
 4. a forward that updates a buffer in place (``self.mean.mul_(0.9).add_(...)``, a step counter)
-   is exported without the update: the dynamo exporter lists it as a BUFFER_MUTATION of the
+   or reassigns it (``self.count = self.count + 1``) is exported without the update: the dynamo exporter lists it as a BUFFER_MUTATION of the
    program and leaves it out of the ONNX graph. The call is run once before exporting to find
-   such buffers (their version counter or value changed; BatchNorm's own statistics are handled
+   such buffers (reassigned, or their version counter or value changed; BatchNorm's own statistics are handled
    by trap 2), and the wrapper then returns each one's new value after the module's outputs
    (``ExportedCall.mutations`` names them, in that order), for the caller to write back.
 """
@@ -137,7 +137,7 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
     order = ["dynamo", "legacy"] if exporter == "auto" else [exporter]
     # Exporting runs the module (tracing, and once here for the output structure): a train-mode
     # BatchNorm would update its running statistics. The buffers are put back afterwards.
-    saved = {n: b.detach().clone() for n, b in module.named_buffers()}
+    saved = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
     try:
         flat.mutations = _mutated_buffers(module, flat, tensors)
         _restore(module, saved)  # the export stores the buffers' values as they are now
@@ -146,11 +146,15 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
         _restore(module, saved)
 
 
-def _restore(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+def _restore(module: torch.nn.Module, saved: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Every buffer back to its tensor (a forward may have reassigned it) and that tensor's value."""
     with torch.no_grad():
-        for name, buffer in module.named_buffers():
-            if name in saved:
-                buffer.copy_(saved[name])
+        for name, (buffer, value) in saved.items():
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            if owner._buffers.get(leaf) is not buffer:
+                owner._buffers[leaf] = buffer
+            buffer.copy_(value)
 
 
 def _mutated_buffers(module: torch.nn.Module, flat: _Flat, tensors: tuple) -> list[str]:
@@ -163,8 +167,12 @@ def _mutated_buffers(module: torch.nn.Module, flat: _Flat, tensors: tuple) -> li
     before = [(b._version, b.detach().clone()) for _, b in buffers]
     with torch.no_grad():
         flat(*tensors)
-    return [n for (n, b), (version, value) in zip(buffers, before)
-            if b._version != version or b.shape != value.shape or not torch.equal(b, value)]
+    changed = []
+    for (name, b), (version, value) in zip(buffers, before):
+        now = module.get_buffer(name)  # ``self.count = self.count + 1`` reassigns the buffer
+        if now is not b or b._version != version or not torch.equal(b, value):
+            changed.append(name)
+    return changed
 
 
 def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_names: list[str],
