@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -37,8 +38,8 @@ def _grads_equal(ref: torch.nn.Module, mine: torch.nn.Module) -> None:
             _close(q.grad, p.grad, name)
 
 
-def _pair(module: torch.nn.Module) -> tuple[torch.nn.Module, ORTModule]:
-    return module, ORTModule(copy.deepcopy(module), fallback="raise")
+def _pair(module: torch.nn.Module, fallback: str = "raise") -> tuple[torch.nn.Module, ORTModule]:
+    return module, ORTModule(copy.deepcopy(module), fallback=fallback)
 
 
 class Affine(torch.nn.Module):
@@ -285,3 +286,134 @@ def test_a_key_value_cache_output_falls_back_with_the_use_cache_hint():
     with pytest.warns(RuntimeWarning, match="use_cache=False"):
         out = ORTModule(WithCache())(torch.randn(3, 2))
     assert isinstance(out[1], DynamicCache)  # the module ran in PyTorch
+
+
+class StopGradient(torch.nn.Module):
+    """A value computed under no_grad / detached from the weight, then used again."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+
+    def forward(self, x):
+        if self.how == "no_grad":
+            with torch.no_grad():
+                scale = (self.w * x).sum()
+        elif self.how == "detach":
+            scale = (self.w * x).sum().detach()
+        elif self.how == "data":
+            scale = (self.w.data * x).sum()
+        else:
+            scale = (self.w * x).sum()
+        return (self.w * x).sum() * scale
+
+
+@pytest.mark.parametrize("how", ["plain", "no_grad", "detach", "data"])
+def test_a_forward_that_stops_gradients_is_right_or_falls_back(how):
+    # The ONNX graph has no stop-gradient: differentiating through the no_grad / detached value
+    # gave 12 where torch gives 6. Such a forward now runs in PyTorch, with one warning.
+    ref, mine = _pair(StopGradient(how), fallback="warn")
+    x = torch.tensor([1.0, 1.0, 1.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = mine(x)
+    ref(x).backward()
+    out.backward()
+    _close(mine.module.w.grad, ref.w.grad, how)
+    fell_back = [w for w in caught if "runs in PyTorch" in str(w.message)]
+    if how == "plain":
+        assert not fell_back
+    else:
+        assert len(fell_back) == 1 and "stops a gradient" in str(fell_back[0].message)
+        assert fell_back[0].filename == __file__  # the warning points at the caller's line
+        with pytest.raises(Exception, match="stops a gradient"):
+            ORTModule(copy.deepcopy(ref), fallback="raise")(x)
+
+
+def test_a_no_grad_buffer_update_the_forward_does_not_read_again_is_fine():
+    class Tracker(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("ema", torch.zeros(4))
+
+        def forward(self, x):
+            y = self.lin(x)
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * y.mean(0))
+            return y.relu()
+
+    torch.manual_seed(0)
+    ref, mine = _pair(Tracker())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        for _ in range(2):
+            x = torch.randn(3, 4)
+            ref(x).sum().backward()
+            mine(x).sum().backward()
+    _close(mine.module.ema, ref.ema, "ema")
+    _grads_equal(ref, mine.module)
+
+
+class Smoothed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 5)
+
+    def forward(self, x, t):
+        return torch.nn.functional.cross_entropy(self.lin(x), t, label_smoothing=0.1)
+
+
+def test_a_graph_whose_first_outputs_differ_from_pytorch_falls_back():
+    # The dynamo export drops cross_entropy's label_smoothing (torch 2.13): the first run's
+    # outputs are compared with PyTorch's, and the signature runs in PyTorch, with one warning.
+    torch.manual_seed(0)
+    ref, mine = _pair(Smoothed(), fallback="warn")
+    x, t = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    with pytest.warns(RuntimeWarning, match="computes other values than the module"):
+        out = mine(x, t)
+    _close(out, ref(x, t))
+    ref(x, t).backward()
+    out.backward()
+    _grads_equal(ref, mine.module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning came once
+        _close(mine(x, t), ref(x, t))
+
+
+def test_a_data_dependent_branch_is_not_frozen_by_the_tracer():
+    # The dynamo exporter refuses a Python branch on a tensor's value; the TorchScript tracer
+    # would freeze the first call's branch. Such a module now runs in PyTorch.
+    class Branch(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x * -1
+
+    ref, mine = _pair(Branch(), fallback="warn")
+    with pytest.warns(RuntimeWarning, match="froze a data-dependent"):
+        mine(torch.ones(3))
+    _close(mine(-torch.ones(3)), ref(-torch.ones(3)))
+
+
+@pytest.mark.parametrize("make", ["linear_3d", "lstm_linear"])
+def test_an_output_gradient_whose_shape_the_backward_reads(make):
+    # The backward reads the shape of an output's incoming gradient (a Linear on a 3-D input):
+    # that Shape ran in the forward session, which is never fed the gradient (it crashed).
+    class LstmLinear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.LSTM(8, 16, batch_first=True)
+            self.head = torch.nn.Linear(16, 2)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0])
+
+    torch.manual_seed(0)
+    ref, mine = _pair(torch.nn.Linear(8, 3) if make == "linear_3d" else LstmLinear())
+    x = torch.randn(2, 5, 8)
+    weights = torch.randn(2, 5, 3 if make == "linear_3d" else 2)
+    out = mine(x)
+    _close(out, ref(x))
+    (out * weights).sum().backward()
+    (ref(x) * weights).sum().backward()
+    _grads_equal(ref, mine.module)

@@ -20,6 +20,14 @@ Exporter traps (torch 2.13), handled here:
    such buffers (reassigned, or their version counter or value changed; BatchNorm's own statistics are handled
    by trap 2), and the wrapper then returns each one's new value after the module's outputs
    (``ExportedCall.mutations`` names them, in that order), for the caller to write back.
+5. the ONNX graph has no stop-gradient: a value the forward computes under ``torch.no_grad()``
+   or takes ``.detach()`` / ``.data`` of, from tensors that require grad, and then uses in a
+   differentiable computation, would be differentiated through. With ``stop_gradients=True``
+   the probe run (with grad enabled) watches for that (:class:`_StopGradientWatch`) and the
+   export is refused (:class:`StopsGradient`) naming the call; a no_grad update of a buffer
+   that the forward does not read afterwards is fine. The probe's outputs are kept
+   (``ExportedCall.reference_outputs``) so that the caller can compare the graph's first run
+   with PyTorch (exporters lose some semantics silently, e.g. ``label_smoothing``).
 """
 
 from __future__ import annotations
@@ -31,10 +39,12 @@ import os
 import re
 import tempfile
 import warnings
+import weakref
 from typing import Any
 
 import onnx
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 PREFIX = "module."
@@ -56,6 +66,54 @@ class ExportedCall:
     # torch paths of the buffers the call updates in place (trap 4): their new values are the
     # graph outputs after the module's own, in this order
     mutations: list[str] = dataclasses.field(default_factory=list)
+    # the module's own flat outputs as PyTorch computed them in the probe run (trap 5)
+    reference_outputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+class StopsGradient(ExportFailed):
+    """The forward stops gradients where the ONNX graph cannot (trap 5)."""
+
+
+class _StopGradientWatch(TorchFunctionMode):
+    """Records, during one forward with grad enabled, float tensors whose gradient torch stops
+    (``detach``, ``.data``, results under ``no_grad`` of tensors that require grad, and what is
+    computed from them under ``no_grad``), and the first differentiable call that reads one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stopped: dict[int, weakref.ref] = {}
+        self.reads: list[str] = []
+
+    def _is_stopped(self, t: torch.Tensor) -> bool:
+        ref = self._stopped.get(id(t))
+        return ref is not None and ref() is t
+
+    def _stop(self, out: Any) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self._stopped[id(t)] = weakref.ref(t)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        grad_on = torch.is_grad_enabled()
+        out = func(*args, **kwargs)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        name = getattr(func, "__name__", None) or str(func)
+        if name in ("detach", "detach_", "__get__") and tensors and tensors[0].requires_grad:
+            if name != "__get__" or func == _DATA_GET:
+                self._stop(out)
+                return out
+        if not grad_on:
+            if any(t.requires_grad or self._is_stopped(t) for t in tensors):
+                self._stop(out)
+        elif not self.reads and any(isinstance(o, torch.Tensor) and o.is_floating_point()
+                                    for o in pytree.tree_leaves(out)):
+            if any(t.is_floating_point() and self._is_stopped(t) for t in tensors):
+                self.reads.append(name)
+        return out
+
+
+_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
 
 
 class _Flat(torch.nn.Module):
@@ -122,8 +180,11 @@ def bn_train_translation() -> dict:
 
 def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training: bool,
                 exporter: str = "auto", opset: int = 18,
-                dynamic: list[dict[int, str]] | None = None) -> ExportedCall:
+                dynamic: list[dict[int, str]] | None = None, stop_gradients: bool = False) -> ExportedCall:
     """Export ``module(*args, **kwargs)`` (see the module docstring).
+
+    ``stop_gradients``: the call's gradient will be built: refuse a forward that stops
+    gradients (trap 5) with :class:`StopsGradient`.
 
     ``dynamic``: per flat tensor input, the axes to export as symbolic dimensions, named (the
     exporter may still specialize an axis the module's code fixes; the result's input shapes
@@ -139,9 +200,14 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
     # BatchNorm would update its running statistics. The buffers are put back afterwards.
     saved = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
     try:
-        flat.mutations = _mutated_buffers(module, flat, tensors)
+        # the probe sees which inputs require grad (trap 5)
+        probe_inputs = tuple(t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
+                             for t in leaves if isinstance(t, torch.Tensor))
+        flat.mutations, reference = _probe(module, flat, probe_inputs, stop_gradients)
         _restore(module, saved)  # the export stores the buffers' values as they are now
-        return _export_first(module, flat, tensors, input_names, order, training, opset, dynamic)
+        exported = _export_first(module, flat, tensors, input_names, order, training, opset, dynamic)
+        exported.reference_outputs = reference
+        return exported
     finally:
         _restore(module, saved)
 
@@ -157,22 +223,34 @@ def _restore(module: torch.nn.Module, saved: dict[str, tuple[torch.Tensor, torch
             buffer.copy_(value)
 
 
-def _mutated_buffers(module: torch.nn.Module, flat: _Flat, tensors: tuple) -> list[str]:
-    """The buffers that ``flat(*tensors)`` updates in place, BatchNorm's own statistics left out
-    (trap 4); the caller restores the buffers afterwards."""
+def _probe(module: torch.nn.Module, flat: _Flat, tensors: tuple,
+           stop_gradients: bool) -> tuple[list[str], list[torch.Tensor]]:
+    """One run of ``flat(*tensors)`` in PyTorch: the buffers it updates in place, BatchNorm's
+    own statistics left out (trap 4), and its outputs; with ``stop_gradients`` it runs with
+    grad enabled and raises :class:`StopsGradient` where trap 5 applies. The caller restores
+    the buffers afterwards."""
     norm_stats = {f"{path}.{name}" if path else name
                   for path, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                   for name in ("running_mean", "running_var", "num_batches_tracked")}
     buffers = [(n, b) for n, b in module.named_buffers() if n not in norm_stats]
     before = [(b._version, b.detach().clone()) for _, b in buffers]
-    with torch.no_grad():
-        flat(*tensors)
+    watch = _StopGradientWatch()
+    with torch.enable_grad() if stop_gradients else torch.no_grad():
+        with watch if stop_gradients else contextlib.nullcontext():
+            outputs = flat(*tensors)
+    if watch.reads:
+        raise StopsGradient(
+            f"the forward stops a gradient (.detach(), .data or torch.no_grad()) of a value that "
+            f"it then uses in a differentiable call ({watch.reads[0]}): the ONNX graph would "
+            "differentiate through it, unlike PyTorch; this signature cannot be exported for "
+            "training")
+    outputs = [o.detach() for o in outputs]  # flat.mutations is still empty: all are the module's
     changed = []
     for (name, b), (version, value) in zip(buffers, before):
         now = module.get_buffer(name)  # ``self.count = self.count + 1`` reassigns the buffer
         if now is not b or b._version != version or not torch.equal(b, value):
             changed.append(name)
-    return changed
+    return changed, outputs
 
 
 def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_names: list[str],
@@ -210,9 +288,9 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
 def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training: bool,
             opset: int, dynamic: list[dict[int, str]] | None) -> onnx.ModelProto:
     sink = io.StringIO()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), \
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as caught, \
             contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("always")
         path = os.path.join(tmp, "model.onnx")
         if which == "dynamo":
             has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in flat.modules())
@@ -231,6 +309,15 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
             axes = {n: dict(d) for n, d in zip(names, dynamic or []) if d} or None
             torch.onnx.export(flat, tensors, path, input_names=names, dynamo=False, training=mode,
                               do_constant_folding=False, opset_version=opset, dynamic_axes=axes)
+            # The tracer records one path through the code: a Python branch or value taken from
+            # a tensor's data is frozen into the graph (it warns "might cause the trace to be
+            # incorrect"); such a graph is wrong for other inputs, so it is refused.
+            frozen = [str(w.message).splitlines()[0] for w in caught
+                      if issubclass(w.category, torch.jit.TracerWarning)
+                      and "might cause the trace to be incorrect" in str(w.message)]
+            if frozen:
+                raise ExportFailed(f"the TorchScript tracer froze a data-dependent value or branch "
+                                   f"into the graph ({frozen[0][:160]})")
         else:
             raise ValueError(f"exporter must be 'auto', 'dynamo' or 'legacy', not {which!r}")
         return onnx.load(path)

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import onnxscript.optimizer
@@ -57,6 +58,10 @@ from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 from passes.split import split_forward_backward
 
 logger = logging.getLogger("gradgraph.torch")
+
+
+class OutputMismatch(RuntimeError):
+    """The graph's first outputs differ from the module's in PyTorch."""
 
 
 class ORTModuleTorchModelException(Exception):
@@ -95,6 +100,49 @@ def _session(model: ir.Model, threads: int | None) -> ort.InferenceSession:
     return ort.InferenceSession(ir.to_proto(model).SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"],
                                 disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
+
+
+RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
+                        "Bernoulli", "Multinomial"})
+
+
+def _draws_random_numbers(model: ir.Model) -> bool:
+    """Does the graph draw random numbers (a training Dropout, a random op)?"""
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type in RANDOM_OPS or (node.op_type == "Dropout" and len(node.inputs) >= 3
+                                          and node.inputs[2] is not None):
+            return True
+    return False
+
+
+def _optimized(model: ir.Model) -> ir.Model:
+    """onnxscript's optimizer on ``model``, or ``model`` as it was where the result is not a
+    valid ONNX model (seen on TorchScript exports of T5: a Reshape reading a shape no node makes)."""
+    before = ir.to_proto(model)
+    try:
+        result = onnxscript.optimizer.optimize(model)
+        onnx.checker.check_model(ir.to_proto(result))
+        return result
+    except Exception as exc:  # noqa: BLE001 - the unoptimized graph is still right
+        logger.info("ORTModule: onnxscript's optimizer gave an invalid graph (%s); its input is used",
+                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        return ir.from_proto(before)
+
+
+def _mismatch(outs: tuple, reference: list[torch.Tensor]) -> str | None:
+    """Where the graph's first outputs differ from PyTorch's beyond float32 reassociation, else None."""
+    for k, (got, want) in enumerate(zip(outs, reference)):
+        if tuple(got.shape) != tuple(want.shape):
+            return f"output {k}: shape {tuple(got.shape)} against PyTorch's {tuple(want.shape)}"
+        if not want.is_floating_point() or not want.numel():
+            continue
+        tol = 1e-2 if want.dtype in (torch.float16, torch.bfloat16) else 1e-3
+        a, b = got.detach().double(), want.double()
+        scale = max(1.0, float(b[torch.isfinite(b)].abs().max()) if torch.isfinite(b).any() else 1.0)
+        if not torch.allclose(a, b, rtol=tol, atol=tol * 0.1 * scale, equal_nan=True):
+            diff = (a - b).abs().nan_to_num(float("inf"))
+            return f"output {k}: max abs difference {float(diff.max()):.3g} (PyTorch's max |value| {scale:.3g})"
+    return None
 
 
 def _to_ort(t: torch.Tensor) -> ort.OrtValue:
@@ -252,12 +300,16 @@ class _Engine:
         # otherwise rename such an input (``input_0_orig``) to keep the output's name.
         DistinctOutputsPass()(model)
         if owner._optimize:
-            model = onnxscript.optimizer.optimize(model)
+            model = _optimized(model)
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
         PrepareForGradientPass(strict_parameters=False)(model)
         WholeScoresLossPass()(model)  # a loss over sliced logits: no copy of them, no Pad
         DistinctOutputsPass()(model)  # again: the optimizer may merge equal outputs
         self.user_outputs = [o.name or "" for o in model.graph.outputs[:n_user]]
+        # PyTorch's outputs of the probe run, compared with the graph's first run (trap 5 of
+        # export.py); not where the graph draws random numbers (Dropout masks differ)
+        self.reference: list[torch.Tensor] | None = (
+            None if _draws_random_numbers(model) else exported.reference_outputs)
         self.mutation_outputs = {o.name or "": path for o, path in
                                  zip(model.graph.outputs[n_user:], exported.mutations)}
         debug = owner._debug
@@ -272,6 +324,7 @@ class _Engine:
         grad_weights = [n for n, path in exported.parameters.items() if named[path].requires_grad]
         grad_inputs = [n for n, t in zip(self.input_names, tensor_inputs)
                        if t.requires_grad and t.is_floating_point()]
+        self.first_run = True  # ORTModule._first_run checks it against PyTorch
         self.runner = GraphRunner(model, self.input_names + list(self.weights), grad_inputs + grad_weights,
                                   self.user_outputs, training=training,
                                   make_session=lambda m: _session(m, owner._threads),
@@ -394,6 +447,12 @@ class ORTModule(torch.nn.Module):
         engine = self._engines[key]
         if engine is None:  # this signature falls back to PyTorch
             return self.module(*args, **kwargs)
+        if engine.first_run:
+            return self._first_run(key, engine, args, kwargs, tensors, named, training)
+        return self._run(engine, tensors, named, training)
+
+    def _run(self, engine: _Engine, tensors: list[torch.Tensor], named: dict[str, torch.Tensor],
+             training: bool) -> Any:
         feeds = engine.tensors(tensors, named)
         if training:
             outs = apply_runner(engine.runner, feeds, lambda kept: engine.write_back(kept, named))
@@ -403,6 +462,31 @@ class ORTModule(torch.nn.Module):
             engine.write_back(kept, named)  # a train-mode BatchNorm under no_grad updates its statistics
             outs = tuple(_to_torch(kept[n]) for n in runner.user_outputs)
         return pytree.tree_unflatten(list(outs), engine.exported.output_spec)
+
+    def _first_run(self, key: Any, engine: _Engine, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
+                   named: dict[str, torch.Tensor], training: bool) -> Any:
+        """A signature's first run: a failure, or outputs unlike PyTorch's (the export lost part
+        of the forward), make the signature fall back (or raise) like a failed build."""
+        saved = {n: t.detach().clone() for n, t in named.items() if not isinstance(t, torch.nn.Parameter)}
+        try:
+            result = self._run(engine, tensors, named, training)
+            reference, engine.reference = engine.reference, None
+            if reference is not None:
+                where = _mismatch(tuple(pytree.tree_leaves(result)), reference)
+                if where is not None:
+                    raise OutputMismatch(
+                        f"the onnxruntime graph ({engine.exported.exporter} exporter) computes other "
+                        f"values than the module in PyTorch ({where}): the export lost part of "
+                        "the forward")
+        except Exception as exc:  # noqa: BLE001 - as a failed build
+            with torch.no_grad():  # the buffers as they were before this call
+                for n, value in saved.items():
+                    named[n].copy_(value)
+            self._fail(exc)
+            self._engines[key] = None
+            return self.module(*args, **kwargs)
+        engine.first_run = False
+        return result
 
     def __getstate__(self) -> dict:
         # onnxruntime sessions do not pickle: a copy (copy.deepcopy, torch.save) rebuilds its
@@ -416,19 +500,24 @@ class ORTModule(torch.nn.Module):
                training: bool) -> _Engine | None:
         try:
             norms = _training_batch_norms(self.module)  # refuses what is unsupported before exporting
-            exported = export_call(self.module, args, kwargs, training=self.module.training)
+            exported = export_call(self.module, args, kwargs, training=self.module.training,
+                                   stop_gradients=training)
             engine = _Engine(self, exported, tensors, training, norms)
         except Exception as exc:  # noqa: BLE001 - any failure falls back (or is raised) with its reason
-            if self._fallback == "raise":
-                raise
-            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc) else ''}"
-            warnings.warn(f"ORTModule: {type(self.module).__name__} runs in PyTorch for this input "
-                          f"signature, because building its onnxruntime graphs failed ({reason}); "
-                          "pass fallback='raise' to see the error", RuntimeWarning, stacklevel=3)
+            self._fail(exc)
             return None
         logger.info("ORTModule: built %s graphs for %s (%s exporter)",
                     "training" if training else "inference", key[1], exported.exporter)
         return engine
+
+    def _fail(self, exc: Exception) -> None:
+        """A signature that cannot run in onnxruntime: raise, or warn once and use PyTorch."""
+        if self._fallback == "raise":
+            raise exc
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc) else ''}"
+        warnings.warn(f"ORTModule: {type(self.module).__name__} runs in PyTorch for this input "
+                      f"signature, because building or running its onnxruntime graphs failed ({reason}); "
+                      "pass fallback='raise' to see the error", RuntimeWarning, stacklevel=6)
 
     # ---- nn.Module behaviour reflects the wrapped module ----------------------------------
     def add_module(self, name: str, module: torch.nn.Module | None) -> None:

@@ -247,7 +247,8 @@ class ORTTrainer:
         dynamic = [{axis: d for axis, d in enumerate(desc.shape) if isinstance(d, str)}
                    for desc in self.model_desc.inputs]
         exported = export_call(module, tuple(tensors), {}, training=True,
-                               opset=self.options._internal_use.onnx_opset_version, dynamic=dynamic)
+                               opset=self.options._internal_use.onnx_opset_version, dynamic=dynamic,
+                               stop_gradients=True)
         return self._rename(exported)
 
     def _rename(self, exported: ExportedCall) -> onnx.ModelProto:

@@ -9,7 +9,9 @@ Where the cut goes is read from the node marks (:mod:`passes.marks`), never from
 1. the backward side is every node marked backward, recompute or optimizer, and every node that
    reads a value the backward side produces (so a cast of a gradient goes with the backward);
    except a ``Shape`` or ``Size`` of a forward value: it runs in the forward, so that the
-   backward keeps a few int64s instead of the whole tensor it only needs the shape of;
+   backward keeps a few int64s instead of the whole tensor it only needs the shape of. A graph
+   input that only backward-side nodes read (an output gradient's seed) counts as a backward
+   value: its ``Shape`` runs in the backward;
 2. the forward side is every other node; it reads graph inputs, initializers and its own values
    only, so it runs alone;
 3. the forward's outputs are the graph outputs it produces, then the *stash*: every value it
@@ -67,7 +69,11 @@ def _is_constant(node: ir.Node) -> bool:
 
 def backward_side(graph: ir.Graph) -> list[bool]:
     """For each node in graph order: does it belong to the backward side (rule 1)?"""
-    produced_by_backward: set[int] = set()
+    # Graph inputs only backward-side nodes read (the seeds of output gradients) are the
+    # backward's: a Shape of one runs there too, the forward is never fed them.
+    produced_by_backward: set[int] = {
+        id(v) for v in graph.inputs
+        if v.uses() and all(role_of(u.node) in BACKWARD_SIDE for u in v.uses())}
     sides = []
     for node in graph:
         reads_backward = any(v is not None and id(v) in produced_by_backward for v in node.inputs)
