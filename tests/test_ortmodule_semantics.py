@@ -417,3 +417,25 @@ def test_an_output_gradient_whose_shape_the_backward_reads(make):
     (out * weights).sum().backward()
     (ref(x) * weights).sum().backward()
     _grads_equal(ref, mine.module)
+
+
+def test_none_among_the_outputs_comes_back_as_none():
+    # nn.MultiheadAttention(need_weights=False) returns (out, None): it was refused (NoneType).
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            out, weights = self.mha(x, x, x, need_weights=False)
+            return {"out": out, "weights": weights, "pair": (None, out.sum())}
+
+    torch.manual_seed(0)
+    ref, mine = _pair(Attention())
+    x = torch.randn(2, 5, 8)
+    got, want = mine(x), ref(x)
+    assert got["weights"] is None and got["pair"][0] is None
+    _close(got["out"], want["out"])
+    (got["out"].pow(2).sum() + got["pair"][1]).backward()
+    (want["out"].pow(2).sum() + want["pair"][1]).backward()
+    _grads_equal(ref, mine.module)

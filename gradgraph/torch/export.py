@@ -68,6 +68,21 @@ class ExportedCall:
     mutations: list[str] = dataclasses.field(default_factory=list)
     # the module's own flat outputs as PyTorch computed them in the probe run (trap 5)
     reference_outputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # positions among output_spec's leaves that are None (``return out, None``): not graph outputs
+    output_nones: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def n_outputs(self) -> int:
+        """The module's own tensor outputs (graph outputs before the buffer updates)."""
+        return self.output_spec.num_leaves - len(self.output_nones)
+
+    def rebuild(self, tensors: list) -> Any:
+        """The module's result: ``tensors`` (its tensor outputs in order) with the Nones put back."""
+        leaves, it = [], iter(tensors)
+        nones = set(self.output_nones)
+        for i in range(self.output_spec.num_leaves):
+            leaves.append(None if i in nones else next(it))
+        return pytree.tree_unflatten(leaves, self.output_spec)
 
 
 class StopsGradient(ExportFailed):
@@ -125,6 +140,7 @@ class _Flat(torch.nn.Module):
         self._in_spec = in_spec
         self._constants = constants  # leaves that are not tensors, by position
         self.out_spec: Any = None
+        self.out_nones: list[int] = []
         self.mutations: list[str] = []  # buffers whose new values follow the outputs (trap 4)
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -134,6 +150,8 @@ class _Flat(torch.nn.Module):
         args, kwargs = pytree.tree_unflatten(leaves, self._in_spec)
         out = self.module(*args, **kwargs)
         flat, self.out_spec = pytree.tree_flatten(_plain(out))
+        self.out_nones = [i for i, x in enumerate(flat) if x is None]  # given back as None
+        flat = [x for x in flat if x is not None]
         bad = [type(x).__name__ for x in flat if not isinstance(x, torch.Tensor)]
         if bad:
             hint = (" (a transformers key/value cache: pass use_cache=False to the call or set "
@@ -281,7 +299,7 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
                 buffers[init.name] = path
         return ExportedCall(model, [i.name for i in model.graph.input if i.name in set(input_names)],
                             [o.name for o in model.graph.output], flat.out_spec, params, buffers, which,
-                            list(flat.mutations))
+                            list(flat.mutations), output_nones=list(flat.out_nones))
     raise ExportFailed("torch.onnx.export failed: " + "; ".join(errors))
 
 

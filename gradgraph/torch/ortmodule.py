@@ -288,7 +288,7 @@ class _Engine:
         named = _named_tensors(module)
         self.weights = {**exported.parameters, **exported.buffers}  # onnx name -> torch path
         model = ir.from_proto(exported.model)
-        n_user = exported.output_spec.num_leaves
+        n_user = exported.n_outputs
         # after the module's own outputs: the new values of the buffers its forward updates in
         # place (export.py, trap 4), written back after each call
         del model.graph.outputs[n_user + len(exported.mutations):]
@@ -461,7 +461,7 @@ class ORTModule(torch.nn.Module):
             kept = runner.run_forward({n: _to_ort(t) for n, t in zip(runner.feed_names, feeds)})
             engine.write_back(kept, named)  # a train-mode BatchNorm under no_grad updates its statistics
             outs = tuple(_to_torch(kept[n]) for n in runner.user_outputs)
-        return pytree.tree_unflatten(list(outs), engine.exported.output_spec)
+        return engine.exported.rebuild(list(outs))
 
     def _first_run(self, key: Any, engine: _Engine, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
                    named: dict[str, torch.Tensor], training: bool) -> Any:
@@ -472,7 +472,7 @@ class ORTModule(torch.nn.Module):
             result = self._run(engine, tensors, named, training)
             reference, engine.reference = engine.reference, None
             if reference is not None:
-                where = _mismatch(tuple(pytree.tree_leaves(result)), reference)
+                where = _mismatch(tuple(x for x in pytree.tree_leaves(result) if x is not None), reference)
                 if where is not None:
                     raise OutputMismatch(
                         f"the onnxruntime graph ({engine.exported.exporter} exporter) computes other "
