@@ -310,6 +310,7 @@ class _Engine:
         # export.py); not where the graph draws random numbers (Dropout masks differ)
         self.reference: list[torch.Tensor] | None = (
             None if _draws_random_numbers(model) else exported.reference_outputs)
+        exported.reference_outputs = []  # held here until the first run only
         self.mutation_outputs = {o.name or "": path for o, path in
                                  zip(model.graph.outputs[n_user:], exported.mutations)}
         debug = owner._debug
