@@ -114,10 +114,9 @@ class _StopGradientWatch(TorchFunctionMode):
         out = func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         name = getattr(func, "__name__", None) or str(func)
-        if name in ("detach", "detach_", "__get__") and tensors and tensors[0].requires_grad:
-            if name != "__get__" or func == _DATA_GET:
-                self._stop(out)
-                return out
+        if (name in ("detach", "detach_") or func == _DATA_GET) and tensors and tensors[0].requires_grad:
+            self._stop(out)
+            return out
         if not grad_on:
             if any(t.requires_grad or self._is_stopped(t) for t in tensors):
                 self._stop(out)
