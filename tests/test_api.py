@@ -279,3 +279,25 @@ def test_save_model_over_the_protobuf_limit_keeps_weights_beside(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "big.onnx.data"]
     loaded = onnx.load(str(tmp_path / "big.onnx"))
     np.testing.assert_array_equal(onnx.numpy_helper.to_array(loaded.graph.initializer[0]), weight)
+
+
+def test_omit_unused_leaves_names_off_the_loss_path_without_a_gradient_output():
+    """PyTorch's None gradient (ORTModule): no output, no warning, for an unconnected name and
+    for one behind an input without a gradient; the others' gradients as without the option."""
+    import onnx_ir as ir
+
+    from passes.autodiff import GradientOptions
+    from passes.autodiff.gradient_pass import GradientPass
+
+    model = parser.parse_model(CLIPPED)
+    plain = gradgraph.build_gradient_graph(model, "loss", ["W"])
+    ir_model = ir.from_proto(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradient = GradientPass("loss", ["W", "hi", "lo"], GradientOptions(omit_unused=True))
+        gradient(ir_model)
+    assert set(gradient.gradients) == {"W"}
+    omitted = ir.to_proto(ir_model)
+    assert not {"hi_grad", "lo_grad"} & {o.name for o in omitted.graph.output}
+    x = {"x": np.arange(6, dtype=np.float32).reshape(2, 3) / 4}
+    np.testing.assert_array_equal(_run(omitted, x, ["W_grad"])[0], _run(plain, x, ["W_grad"])[0])

@@ -437,3 +437,93 @@ def test_none_among_the_outputs_comes_back_as_none():
     (got["out"].pow(2).sum() + got["pair"][1]).backward()
     (want["out"].pow(2).sum() + want["pair"][1]).backward()
     _grads_equal(ref, mine.module)
+
+
+class ReadsOnlyShapes(torch.nn.Module):
+    """``y`` is read by its shape only, ``pick`` through argmax only; ``unused`` by nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.pick = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x, y, unused):
+        return self.lin(x) * (self.pick.argmax() + y.shape[0]), x.argmax(-1)
+
+
+def test_values_that_do_not_reach_an_output_get_none_gradients_as_in_torch():
+    # they made the signature fall back (the gradient builder refused a trained name that does
+    # not reach the loss); torch leaves their .grad None
+    torch.manual_seed(0)
+    ref, mine = _pair(ReadsOnlyShapes())
+    grads = {}
+    data = [torch.randn(2, 4) for _ in range(3)]
+    for which, module in (("ref", ref), ("mine", mine)):
+        x, y, unused = (t.clone().requires_grad_() for t in data)
+        out, index = module(x, y, unused)
+        assert not index.requires_grad
+        (out * torch.arange(6.0).reshape(2, 3)).sum().backward()
+        grads[which] = (x.grad, y.grad, unused.grad)
+        _close(out, ref(x, y, unused)[0], "output")
+    assert grads["mine"][1] is None and grads["mine"][2] is None
+    assert grads["ref"][1] is None and grads["ref"][2] is None
+    _close(grads["mine"][0], grads["ref"][0], "x.grad")
+    _grads_equal(ref, mine.module)
+    assert mine.module.pick.grad is None and ref.pick.grad is None
+
+
+def test_outputs_that_no_trained_value_reaches_do_not_require_grad():
+    class Argmax(torch.nn.Module):
+        def forward(self, x, y):
+            return x * 2, y.argmax(-1)
+
+    x, y = torch.randn(2, 4), torch.randn(2, 4, requires_grad=True)
+    got, want = ORTModule(Argmax(), fallback="raise")(x, y), Argmax()(x, y)
+    for g, w in zip(got, want):
+        assert g.requires_grad == w.requires_grad is False
+        _close(g.float(), w.float())
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.drop = torch.nn.Dropout(0.5)
+        self.scale = 2.0
+        self.config = {"hidden": 3}
+
+    def forward(self, x):
+        return self.drop(self.lin(x)) * self.scale
+
+
+def test_attributes_of_the_wrapped_module_are_read_and_set_through_ortmodule():
+    torch.manual_seed(0)
+    ref, mine = _pair(Scaled().eval())
+    x = torch.randn(2, 4)
+    assert mine.config == {"hidden": 3} and mine.scale == 2.0  # HF's model.config
+    _close(mine(x), ref(x))
+    mine.scale = ref.scale = 3.0  # set on the wrapped module, the graph rebuilt
+    assert mine.module.scale == 3.0 and "scale" not in mine.__dict__
+    _close(mine(x), ref(x), "after setting scale through ORTModule")
+    # a plain attribute changed on the wrapped module itself is part of the signature
+    mine.module.scale = ref.scale = 5.0
+    _close(mine(x), ref(x), "after setting scale on the wrapped module")
+    mine.train()
+    ref.train()
+    mine.module.drop.p = ref.drop.p = 0.0  # Dropout's p baked into the graph: rebuilt
+    _close(mine(x), ref(x), "after Dropout p = 0")
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        mine.no_such_thing  # noqa: B018
+
+
+def test_a_module_built_for_many_signatures_warns_once(monkeypatch):
+    import gradgraph.torch.ortmodule as ortmodule
+
+    monkeypatch.setattr(ortmodule, "MANY_SIGNATURES", 2)
+    mine = ORTModule(torch.nn.Linear(4, 2), fallback="raise")
+    mine(torch.randn(1, 4))
+    with pytest.warns(RuntimeWarning, match="exported for 2 call signatures"):
+        mine(torch.randn(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mine(torch.randn(3, 4))

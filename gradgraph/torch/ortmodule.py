@@ -23,7 +23,9 @@ A train-mode BatchNorm computes with batch statistics and its running statistics
 back to the module's buffers after each forward (torch's unbiased running variance, and
 ``num_batches_tracked``); a train-mode BatchNorm with ``momentum=None`` falls back to PyTorch.
 In eval mode with grad enabled the graphs are built from the eval-mode export, so outputs
-still carry gradients, as in torch. When the export or the graph build fails, the signature runs in
+still carry gradients, as in torch. An input or parameter that no output's gradient reaches
+keeps torch's ``None`` gradient (``GradientOptions(omit_unused=True)``). Attributes ORTModule
+lacks are read from the wrapped module, and set there after construction. When the export or the graph build fails, the signature runs in
 PyTorch with one warning naming the reason (``fallback="raise"`` raises instead). Not yet: CUDA
 tensors (refused with a clear error).
 """
@@ -47,6 +49,8 @@ from torch.utils import _pytree as pytree
 
 from gradgraph.torch.export import ExportedCall, export_call
 from gradgraph.training.ort_state import release_free_memory
+from passes.autodiff import GradientOptions
+from passes.autodiff.engine import FLOAT_TYPES
 from passes.autodiff.gradient_pass import GradientPass
 from passes.autodiff.vjp import VjpSeedPass
 from passes.forward.distinct_outputs import DistinctOutputsPass
@@ -58,6 +62,10 @@ from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 from passes.split import split_forward_backward
 
 logger = logging.getLogger("gradgraph.torch")
+
+
+# a warning when a module has been built for this many call signatures
+MANY_SIGNATURES = 16
 
 
 class OutputMismatch(RuntimeError):
@@ -186,6 +194,9 @@ class GraphRunner:
         self.user_outputs = outputs
         self.seeds: dict[str, str] = {}
         self.grad_names: dict[str, str] = {}
+        wanted = set(outputs)
+        if not any(o.name in wanted and o.dtype in FLOAT_TYPES for o in model.graph.outputs):
+            training = False  # no float output (argmax, masks): nothing has a gradient, as in torch
         if not training:
             self.forward = make_session(model)
             self.backward: ort.InferenceSession | None = None
@@ -195,7 +206,9 @@ class GraphRunner:
         vjp = VjpSeedPass(outputs)
         vjp(model)
         self.seeds = vjp.seeds
-        gradient = GradientPass(vjp.loss, differentiable)
+        # a differentiable value that does not reach an output (an unused input, one read only
+        # by its shape or through ops without a gradient) gets torch's None gradient
+        gradient = GradientPass(vjp.loss, differentiable, GradientOptions(omit_unused=True))
         gradient(model)
         for rewrite in kernel_passes():  # faster kernels for the same values (passes.kernels)
             rewrite(model)
@@ -210,12 +223,14 @@ class GraphRunner:
         # the export's and the build's garbage, before the sessions are laid out
         release_free_memory(_input_bytes(model))
         self.forward = make_session(split.forward)
-        backward = make_session(split.backward)
-        self.backward = backward
         self.fwd_inputs = {i.name for i in self.forward.get_inputs()}
         self.fwd_outputs = [o.name for o in self.forward.get_outputs()]
-        self.bwd_inputs = [i.name for i in backward.get_inputs()]
-        self.bwd_outputs = [o.name for o in backward.get_outputs()]
+        self.backward = None
+        self.bwd_inputs, self.bwd_outputs = [], []
+        if self.grad_names:  # else no differentiable value reaches an output: nothing to run backward
+            self.backward = make_session(split.backward)
+            self.bwd_inputs = [i.name for i in self.backward.get_inputs()]
+            self.bwd_outputs = [o.name for o in self.backward.get_outputs()]
 
     def run_forward(self, values: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
         outs = self.forward.run_with_ort_values(
@@ -230,7 +245,8 @@ class GraphRunner:
     def run_backward(self, kept: dict[str, ort.OrtValue], values: dict[str, ort.OrtValue],
                      grad_outputs: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
         """Gradients by differentiated name; ``grad_outputs`` by user output name."""
-        assert self.backward is not None, "a forward-only runner"
+        if self.backward is None:  # no differentiable value reaches an output: torch's None gradients
+            return {}
         feeds = {self.seeds[name]: g for name, g in grad_outputs.items() if name in self.seeds}
         for name in self.bwd_inputs:
             if name not in feeds:
@@ -264,15 +280,21 @@ def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return named
 
 
+_PLAIN = frozenset({bool, int, float, str, type(None)})
+
+
 def _signature(training: bool, in_spec: Any, leaves: list, module: torch.nn.Module,
                named: dict[str, torch.Tensor]) -> tuple:
     """What a built graph depends on: the call's structure (which argument, keyword or dict key
     holds which tensor, where the non-tensor values are and what they are), each tensor's shape,
-    dtype and requires_grad, train/eval of every submodule, and the module's parameters and
-    buffers (their paths, shapes, dtypes, and which parameters require grad)."""
+    dtype and requires_grad, every submodule's plain attributes (train/eval among them), and
+    the module's parameters and buffers (their paths, shapes, dtypes, and which parameters
+    require grad)."""
     call = tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
                  else ("const", type(x).__name__, repr(x)) for x in leaves)
-    modes = tuple(m.training for m in module.modules())
+    # each submodule's plain Python attributes (train/eval, Dropout's p, a flag its forward
+    # reads): the export bakes them into the graph
+    modes = tuple(tuple(kv for kv in vars(m).items() if type(kv[1]) in _PLAIN) for m in module.modules())
     weights = tuple((n, tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter) and t.requires_grad)
                     for n, t in named.items())
     return (training, in_spec, call, modes, weights)
@@ -423,6 +445,27 @@ class ORTModule(torch.nn.Module):
         self._optimize = optimize
         self._threads = threads
         self._engines: dict[Any, _Engine | None] = {}  # None: this signature runs in PyTorch
+        self._builds = 0  # signatures built so far (a warning when they keep coming)
+        self._initialized = True  # from here on, new attributes go to the wrapped module
+
+    def __getattr__(self, name: str) -> Any:
+        # what ORTModule does not have, the wrapped module may (``model.config`` of HF models)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "_original_module" not in modules:
+                raise
+        return getattr(modules["_original_module"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # After construction an attribute ORTModule does not own is set on the wrapped module
+        # (as onnxruntime's ORTModule did); its graphs are rebuilt on the next call.
+        if not self.__dict__.get("_initialized") or name in self.__dict__:
+            super().__setattr__(name, value)
+            return
+        setattr(self.module, name, value)
+        self._engines.clear()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -445,6 +488,13 @@ class ORTModule(torch.nn.Module):
                                "(move the module and inputs to the CPU, or use the module directly)")
         if key not in self._engines:
             self._engines[key] = self._build(key, args, kwargs, tensors, training)
+            self._builds += 1
+            if self._builds == MANY_SIGNATURES:
+                warnings.warn(
+                    f"ORTModule: {type(self.module).__name__} has been exported for {self._builds} "
+                    "call signatures; each new input shape or dtype, train/eval switch or change of a "
+                    "submodule's plain attribute exports and builds again (slow): pad inputs to a "
+                    "few shapes", RuntimeWarning, stacklevel=2)
         engine = self._engines[key]
         if engine is None:  # this signature falls back to PyTorch
             return self.module(*args, **kwargs)
@@ -455,7 +505,7 @@ class ORTModule(torch.nn.Module):
     def _run(self, engine: _Engine, tensors: list[torch.Tensor], named: dict[str, torch.Tensor],
              training: bool) -> Any:
         feeds = engine.tensors(tensors, named)
-        if training:
+        if training and engine.runner.backward is not None:
             outs = apply_runner(engine.runner, feeds, lambda kept: engine.write_back(kept, named))
         else:
             runner = engine.runner

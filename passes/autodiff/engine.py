@@ -50,6 +50,9 @@ class GradientOptions:
 
     # Give zero gradients to trained values that do not reach the loss instead of failing.
     allow_unused: bool = False
+    # Leave trained values that do not reach the loss (or reach it only through ops without a
+    # gradient) without a gradient output, silently: PyTorch's ``None`` gradient (ORTModule).
+    omit_unused: bool = False
     # Take the loss gradient from an extra graph input ``<loss><suffix>`` instead of ones.
     seed_from_input: bool = False
     # Suffix of the gradient outputs (and of the seed input).
@@ -301,6 +304,9 @@ class GradientSweep:
                 raise GradientError(f"no parameter (floating-point initializer) reaches loss "
                                     f"{self._loss_text()}; name the weights to train explicitly")
         unused = [w for w in self.weights if id(w) not in needs]
+        if self.options.omit_unused:
+            self.weights = [w for w in self.weights if id(w) in needs]
+            unused = []
         if unused and not self.options.allow_unused:
             w = unused[0]
             blocked = self._blocked_at(w)
