@@ -10,9 +10,10 @@ into an update of up to lr * |g| / (|g| + eps) per step, different noise in each
 from __future__ import annotations
 
 import copy
-import os
+import logging
 
 import numpy as np
+import onnx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -166,13 +167,44 @@ def test_module_api_reflects_the_wrapped_module(tmp_path):
 def test_debug_options_save_the_graphs(tmp_path):
     ref, batch, _ = model_zoo.build("mlp", "train_p0")
     prefix = str(tmp_path / "mlp")
-    ORTModule(ref, DebugOptions(save_onnx=True, onnx_prefix=prefix))(*batch).backward()
-    ORTModule(model_zoo.build("mlp", "train_p0")[0], DebugOptions(save_onnx=True, onnx_prefix=str(tmp_path / "new" / "m")))(*batch)
-    assert (tmp_path / "new" / "m_exported.onnx").exists()  # the folder is created
-    for stage in ("exported", "gradient", "forward", "backward"):
-        assert os.path.getsize(f"{prefix}_{stage}.onnx") > 0
+    wrapped = ORTModule(ref, DebugOptions(save_onnx=True, onnx_prefix=prefix))
+    wrapped(*batch).backward()
+    with torch.no_grad():
+        wrapped(*batch)
+    ORTModule(model_zoo.build("mlp", "train_p0")[0],
+              DebugOptions(save_onnx=True, onnx_prefix=str(tmp_path / "new" / "m")))(*batch)
+    assert (tmp_path / "new" / "m_torch_exported_training.onnx").exists()  # the folder is created
+    # onnxruntime ORTModule's names, one set per mode; every file a valid model
+    stages = [f"{s}_training" for s in ("torch_exported", "optimized_pre_grad", "optimized",
+                                       "execution_model_forward", "execution_model_backward")]
+    stages += [f"{s}_inference" for s in ("torch_exported", "optimized_pre_grad", "execution_model")]
+    for stage in stages:
+        onnx.checker.check_model(onnx.load(f"{prefix}_{stage}.onnx"))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(
+        f"mlp_{stage}.onnx" for stage in stages)  # no temp files left
     with pytest.raises(ValueError, match="onnx_prefix"):
         DebugOptions(save_onnx=True)
+
+
+def test_debug_log_levels(caplog):
+    from gradgraph.torch import LogLevel
+
+    assert DebugOptions(log_level="info").level is LogLevel.INFO
+    assert DebugOptions(log_level=LogLevel.VERBOSE).ort_severity == 0
+    assert DebugOptions().ort_severity == 3  # onnxruntime's unused-initializer warnings hidden
+    for bad in ("LOUD", 7, True):
+        with pytest.raises(ValueError, match="log_level"):
+            DebugOptions(log_level=bad)
+    ref, batch, _ = model_zoo.build("mlp", "train_p0")
+    logger = logging.getLogger("gradgraph.torch")
+    before = logger.level
+    try:
+        with caplog.at_level(logging.INFO, logger="gradgraph.torch"):
+            ORTModule(ref, DebugOptions(log_level="INFO"))(*batch)
+        built = [r.getMessage() for r in caplog.records if "built the training graphs" in r.getMessage()]
+        assert len(built) == 1 and "export" in built[0], caplog.text
+    finally:
+        logger.setLevel(before)
 
 
 def test_module_methods_delegate_and_conversions_rebuild():

@@ -6,10 +6,15 @@ module or an ONNX model with gradgraph's training graph."""
 from gradgraph.torch import optim
 from gradgraph.torch.export import ExportFailed, export_call
 from gradgraph.torch.factory import TorchOrtFactory, TorchOrtFunction
-from gradgraph.torch.ortmodule import DebugOptions, ORTModule, ORTModuleTorchModelException
+from gradgraph.torch.ortmodule import (
+           DebugOptions,
+           LogLevel,
+           ORTModule,
+           ORTModuleTorchModelException,
+)
 from gradgraph.torch.trainer import IODescription, ModelDescription, ORTTrainer
 from gradgraph.torch.trainer_options import ORTTrainerOptions
 
-__all__ = ["DebugOptions", "ExportFailed", "IODescription", "ModelDescription", "ORTModule",
+__all__ = ["DebugOptions", "ExportFailed", "IODescription", "LogLevel", "ModelDescription", "ORTModule",
            "ORTModuleTorchModelException", "ORTTrainer", "ORTTrainerOptions", "TorchOrtFactory",
            "TorchOrtFunction", "export_call", "optim"]

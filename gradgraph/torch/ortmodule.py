@@ -33,8 +33,9 @@ tensors (refused with a clear error).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
-import os
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -47,6 +48,7 @@ import onnxscript.optimizer
 import torch
 from torch.utils import _pytree as pytree
 
+from gradgraph.io import save_model
 from gradgraph.torch.export import ExportedCall, export_call
 from gradgraph.training.ort_state import release_free_memory
 from passes.autodiff import GradientOptions
@@ -76,26 +78,75 @@ class ORTModuleTorchModelException(Exception):
     """Raised for a change to ORTModule that it does not support (``add_module``)."""
 
 
+class LogLevel(enum.IntEnum):
+    """onnxruntime's ORTModule log levels (``DebugOptions(log_level=LogLevel.INFO)``)."""
+
+    VERBOSE = 0
+    INFO = 1
+    WARNING = 2
+    ERROR = 3
+    FATAL = 4
+
+
+# the Python logging level of ``gradgraph.torch`` for each LogLevel
+_PY_LEVEL = {LogLevel.VERBOSE: logging.DEBUG, LogLevel.INFO: logging.INFO, LogLevel.WARNING: logging.WARNING,
+             LogLevel.ERROR: logging.ERROR, LogLevel.FATAL: logging.CRITICAL}
+
+
 @dataclasses.dataclass
 class DebugOptions:
-    """``save_onnx``: write the exported, gradient, forward and backward graphs with ``onnx_prefix``."""
+    """onnxruntime ORTModule's debug options.
+
+    ``save_onnx``: write each signature's graphs under ``onnx_prefix`` with onnxruntime's names,
+    ``<prefix>_<stage>_<training|inference>.onnx``: ``torch_exported`` (the exporter's model),
+    ``optimized_pre_grad`` (weights as inputs, optimized, ready for the gradient),
+    ``optimized`` (with the gradient; training only) and what onnxruntime runs
+    (``execution_model`` for inference; for training ``execution_model_forward`` and ``execution_model_backward``). ``log_level`` (a :class:`LogLevel` or its name): ``INFO`` reports each build with
+    its time, ``VERBOSE`` adds onnxruntime's own session log.
+    """
 
     save_onnx: bool = False
     onnx_prefix: str = ""
-    log_level: str = "WARNING"
+    log_level: LogLevel | str = LogLevel.WARNING
 
     def __post_init__(self) -> None:
         if self.save_onnx and not self.onnx_prefix:
             raise ValueError("DebugOptions: save_onnx=True needs an onnx_prefix (the path prefix of "
                              "the saved graphs)")
-        if self.log_level.upper() not in ("VERBOSE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"):
-            raise ValueError(f"DebugOptions: log_level {self.log_level!r} is not one of VERBOSE, INFO, "
-                             "WARNING, ERROR, FATAL")
+        level = self.log_level
+        if isinstance(level, str):
+            name = "VERBOSE" if level.upper() == "DEBUG" else level.upper()
+            if name not in LogLevel.__members__:
+                raise ValueError(f"DebugOptions: log_level {level!r} is not one of "
+                                 f"{', '.join(LogLevel.__members__)}")
+            level = LogLevel[name]
+        elif not isinstance(level, int) or isinstance(level, bool) or level not in tuple(LogLevel):
+            raise ValueError(f"DebugOptions: log_level {level!r} is not a LogLevel")
+        self.log_level = LogLevel(level)
+
+    @property
+    def level(self) -> LogLevel:
+        """``log_level`` as a :class:`LogLevel` (``__post_init__`` checked it)."""
+        assert isinstance(self.log_level, LogLevel)
+        return self.log_level
+
+    @property
+    def ort_severity(self) -> int:
+        """onnxruntime's session log severity: its warnings (mostly unused initializers) only
+        from INFO down."""
+        level = self.level
+        return int(level) if level <= LogLevel.INFO else max(int(level), int(LogLevel.ERROR))
+
+    def save(self, model: ir.Model | onnx.ModelProto, stage: str, training: bool) -> None:
+        """Write ``model`` as ``<prefix>_<stage>_<training|inference>.onnx`` (atomically)."""
+        if self.save_onnx:
+            path = f"{self.onnx_prefix}_{stage}_{'training' if training else 'inference'}.onnx"
+            save_model(model, path)
 
 
-def _session(model: ir.Model, threads: int | None) -> ort.InferenceSession:
+def _session(model: ir.Model, threads: int | None, severity: int = 3) -> ort.InferenceSession:
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    opts.log_severity_level = severity
     if threads:
         opts.intra_op_num_threads = threads
     # forward and backward sessions run one after the other: a spinning pool would hold the
@@ -188,7 +239,7 @@ class GraphRunner:
 
     def __init__(self, model: ir.Model, feed_names: list[str], differentiable: list[str],
                  outputs: list[str], *, training: bool, make_session: Any,
-                 save_prefix: str | None = None, run_options: ort.RunOptions | None = None) -> None:
+                 save: Any = None, run_options: ort.RunOptions | None = None) -> None:
         self.feed_names = feed_names
         self.run_options = run_options  # passed to every run of both sessions
         self.user_outputs = outputs
@@ -198,6 +249,8 @@ class GraphRunner:
         if not any(o.name in wanted and o.dtype in FLOAT_TYPES for o in model.graph.outputs):
             training = False  # no float output (argmax, masks): nothing has a gradient, as in torch
         if not training:
+            if save is not None:
+                save(model, "execution_model")
             self.forward = make_session(model)
             self.backward: ort.InferenceSession | None = None
             self.fwd_inputs = {i.name for i in self.forward.get_inputs()}
@@ -214,12 +267,12 @@ class GraphRunner:
             rewrite(model)
         grads = gradient_outputs(model.graph)
         self.grad_names = {x: grads[x].name or "" for x in grads}
-        if save_prefix:
-            ir.save(model, f"{save_prefix}_gradient.onnx")
+        if save is not None:
+            save(model, "optimized")
         split = split_forward_backward(model)
-        if save_prefix:
-            ir.save(split.forward, f"{save_prefix}_forward.onnx")
-            ir.save(split.backward, f"{save_prefix}_backward.onnx")
+        if save is not None:
+            save(split.forward, "execution_model_forward")
+            save(split.backward, "execution_model_backward")
         # the export's and the build's garbage, before the sessions are laid out
         release_free_memory(_input_bytes(model))
         self.forward = make_session(split.forward)
@@ -336,10 +389,8 @@ class _Engine:
         self.mutation_outputs = {o.name or "": path for o, path in
                                  zip(model.graph.outputs[n_user:], exported.mutations)}
         debug = owner._debug
-        if debug.save_onnx:
-            os.makedirs(os.path.dirname(os.path.abspath(debug.onnx_prefix)), exist_ok=True)
-        if debug.save_onnx:
-            ir.save(model, f"{debug.onnx_prefix}_exported.onnx")
+        debug.save(exported.model, "torch_exported", training)
+        debug.save(model, "optimized_pre_grad", training)
         graph_outputs = {o.name for o in model.graph.outputs}
         self.stat_outputs = {n: f"{n}.out" for n in exported.buffers if f"{n}.out" in graph_outputs}
         self.batch_norms = train_norms if self.stat_outputs else []
@@ -350,8 +401,8 @@ class _Engine:
         self.first_run = True  # ORTModule._first_run checks it against PyTorch
         self.runner = GraphRunner(model, self.input_names + list(self.weights), grad_inputs + grad_weights,
                                   self.user_outputs, training=training,
-                                  make_session=lambda m: _session(m, owner._threads),
-                                  save_prefix=debug.onnx_prefix if debug.save_onnx else None)
+                                  make_session=lambda m: _session(m, owner._threads, debug.ort_severity),
+                                  save=lambda m, stage: debug.save(m, stage, training))
 
     def write_back(self, outputs: dict[str, ort.OrtValue], named: dict[str, torch.Tensor]) -> None:
         """Buffers the forward updated (training BatchNorm's running statistics, exposed as
@@ -428,6 +479,15 @@ class _Function(torch.autograd.Function):
         return (None, None, *(_to_torch(grads[n]) if n in grads else None for n in runner.feed_names))
 
 
+def _set_log_level(level: LogLevel) -> None:
+    """The ``gradgraph.torch`` logger at ``level``, printing to stderr when no handler is set."""
+    logger.setLevel(_PY_LEVEL[level])
+    if level <= LogLevel.INFO and not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 class ORTModule(torch.nn.Module):
     """Wraps ``module``; forward and backward run in onnxruntime (module docstring)."""
 
@@ -441,6 +501,8 @@ class ORTModule(torch.nn.Module):
         super().__init__()
         self._modules["_original_module"] = module
         self._debug = debug_options or DebugOptions()
+        if debug_options is not None:  # as onnxruntime's ORTModule: its log level is global
+            _set_log_level(self._debug.level)
         self._fallback = fallback
         self._optimize = optimize
         self._threads = threads
@@ -549,16 +611,22 @@ class ORTModule(torch.nn.Module):
 
     def _build(self, key: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
                training: bool) -> _Engine | None:
+        start = time.perf_counter()
+        logger.info("ORTModule: exporting %s for a new call signature (%s)", type(self.module).__name__,
+                    ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors))
         try:
             norms = _training_batch_norms(self.module)  # refuses what is unsupported before exporting
             exported = export_call(self.module, args, kwargs, training=self.module.training,
                                    stop_gradients=training)
+            exported_at = time.perf_counter()
             engine = _Engine(self, exported, tensors, training, norms)
         except Exception as exc:  # noqa: BLE001 - any failure falls back (or is raised) with its reason
             self._fail(exc)
             return None
-        logger.info("ORTModule: built %s graphs for %s (%s exporter)",
-                    "training" if training else "inference", key[1], exported.exporter)
+        logger.info("ORTModule: built the %s graphs in %.1f s (export %.1f s, %s exporter; graphs and "
+                    "sessions %.1f s)", "training" if training else "inference",
+                    time.perf_counter() - start, exported_at - start, exported.exporter,
+                    time.perf_counter() - exported_at)
         return engine
 
     def _fail(self, exc: Exception) -> None:
