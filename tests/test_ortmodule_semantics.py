@@ -527,3 +527,33 @@ def test_a_module_built_for_many_signatures_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mine(torch.randn(3, 4))
+
+
+def test_hooks_on_submodules_backward_falls_back_forward_warns_and_is_in_the_graph():
+    torch.manual_seed(0)
+    ref, mine = _pair(Affine(), fallback="warn")
+    x = torch.randn(3, 4)
+    for module in (ref, mine.module):  # a forward hook that changes the values: baked in
+        module.lin.register_forward_hook(lambda mod, args, out: out * 2)
+    with pytest.warns(UserWarning, match=r"forward hooks on lin of Affine ran while exporting"):
+        got = mine(x)
+    _close(got, ref(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        mine(x).sum().backward()
+    ref(x).sum().backward()
+    _grads_equal(ref, mine.module)
+
+    calls = []
+    ref, mine = _pair(Affine(), fallback="warn")
+    for module in (ref, mine.module):
+        module.lin.register_full_backward_hook(lambda mod, gin, gout: calls.append(1))
+    with pytest.warns(RuntimeWarning, match=r"BackwardHooks: backward hooks .* on lin"):
+        out = mine(x)
+    out.sum().backward()  # in PyTorch: the hook is called
+    assert calls == [1]
+    ref(x).sum().backward()
+    _grads_equal(ref, mine.module)
+    with torch.no_grad():  # no backward: onnxruntime runs it
+        _close(mine(x), ref(x))
+    assert len(mine._engines) == 2 and sum(e is not None for e in mine._engines.values()) == 1

@@ -284,8 +284,6 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
         except Exception as exc:  # noqa: BLE001 - each exporter's reason is reported
             errors.append(f"{which}: {type(exc).__name__}: {_reason(exc)}")
             continue
-        with torch.no_grad():
-            flat(*tensors)  # the output structure (the exporter ran the module under tracing)
         # every alias of a tied parameter (the exporter may name it by any of them)
         names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         buffer_names = {n for n, _ in module.named_buffers(remove_duplicate=False)}

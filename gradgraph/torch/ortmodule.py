@@ -326,6 +326,37 @@ def _training_batch_norms(module: torch.nn.Module) -> list[torch.nn.modules.batc
     return norms
 
 
+class BackwardHooks(RuntimeError):
+    """The module has backward hooks, which onnxruntime's backward cannot call."""
+
+
+def _hooked(module: torch.nn.Module, kinds: tuple[str, ...]) -> list[str]:
+    """Paths of the submodules (``.`` the module itself) with hooks of ``kinds``, and
+    ``(global)`` for torch's global module hooks of those kinds."""
+    found = [path or "." for path, m in module.named_modules() if any(getattr(m, k, None) for k in kinds)]
+    from torch.nn.modules import module as torch_module
+    if any(getattr(torch_module, f"_global{k}", None) for k in kinds):
+        found.append("(global)")
+    return found
+
+
+def _check_hooks(module: torch.nn.Module, training: bool, warned: set[str]) -> None:
+    """Backward hooks refuse a training build (raise :class:`BackwardHooks`); forward hooks
+    warn once: they run while exporting (their effect on values is in the graph) and not after."""
+    if training:
+        backward = _hooked(module, ("_backward_hooks", "_backward_pre_hooks"))
+        if backward:
+            raise BackwardHooks(f"backward hooks (register_full_backward_hook) on {', '.join(backward[:5])}: "
+                                "the backward runs in onnxruntime and cannot call them")
+    forward = [p for p in _hooked(module, ("_forward_hooks", "_forward_pre_hooks")) if p not in warned]
+    if forward:
+        warned.update(forward)
+        warnings.warn(f"ORTModule: forward hooks on {', '.join(forward[:5])} of {type(module).__name__} ran "
+                      "while exporting (what they change in the values is part of the graph) and are "
+                      "not called on later calls; register hooks on the ORTModule itself to have them "
+                      "called on every call", UserWarning, stacklevel=6)
+
+
 def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's parameters and buffers by path, every alias of a shared one included."""
     named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
@@ -508,6 +539,7 @@ class ORTModule(torch.nn.Module):
         self._threads = threads
         self._engines: dict[Any, _Engine | None] = {}  # None: this signature runs in PyTorch
         self._builds = 0  # signatures built so far (a warning when they keep coming)
+        self._hook_warned: set[str] = set()  # submodules whose forward hooks were warned about
         self._initialized = True  # from here on, new attributes go to the wrapped module
 
     def __getattr__(self, name: str) -> Any:
@@ -556,7 +588,7 @@ class ORTModule(torch.nn.Module):
                     f"ORTModule: {type(self.module).__name__} has been exported for {self._builds} "
                     "call signatures; each new input shape or dtype, train/eval switch or change of a "
                     "submodule's plain attribute exports and builds again (slow): pad inputs to a "
-                    "few shapes", RuntimeWarning, stacklevel=2)
+                    "few shapes", RuntimeWarning, stacklevel=4)
         engine = self._engines[key]
         if engine is None:  # this signature falls back to PyTorch
             return self.module(*args, **kwargs)
@@ -616,6 +648,7 @@ class ORTModule(torch.nn.Module):
                     ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors))
         try:
             norms = _training_batch_norms(self.module)  # refuses what is unsupported before exporting
+            _check_hooks(self.module, training, self._hook_warned)
             exported = export_call(self.module, args, kwargs, training=self.module.training,
                                    stop_gradients=training)
             exported_at = time.perf_counter()
