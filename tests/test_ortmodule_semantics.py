@@ -557,3 +557,24 @@ def test_hooks_on_submodules_backward_falls_back_forward_warns_and_is_in_the_gra
     with torch.no_grad():  # no backward: onnxruntime runs it
         _close(mine(x), ref(x))
     assert len(mine._engines) == 2 and sum(e is not None for e in mine._engines.values()) == 1
+
+
+def test_autocast_is_part_of_the_signature():
+    # the float32 graph of a call outside autocast was reused inside it: float32 outputs where
+    # torch gives bfloat16
+    torch.manual_seed(0)
+    ref, mine = _pair(Affine(), fallback="warn")
+    x = torch.randn(3, 4)
+    _close(mine(x), ref(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = mine(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    np.testing.assert_allclose(got.float().detach().numpy(), want.float().detach().numpy(), rtol=1e-2, atol=1e-2)
+    # the bfloat16 graph needs kernels onnxruntime's CPU provider lacks: that is the warning
+    assert all("autocast" in str(w.message) for w in caught if "ORTModule" in str(w.message))
+    assert len(mine._engines) == 2
+    _close(mine(x), ref(x), "after autocast: the float32 graph again")
+    assert len(mine._engines) == 2

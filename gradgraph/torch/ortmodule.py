@@ -371,9 +371,9 @@ def _signature(training: bool, in_spec: Any, leaves: list, module: torch.nn.Modu
                named: dict[str, torch.Tensor]) -> tuple:
     """What a built graph depends on: the call's structure (which argument, keyword or dict key
     holds which tensor, where the non-tensor values are and what they are), each tensor's shape,
-    dtype and requires_grad, every submodule's plain attributes (train/eval among them), and
+    dtype and requires_grad, every submodule's plain attributes (train/eval among them),
     the module's parameters and buffers (their paths, shapes, dtypes, and which parameters
-    require grad)."""
+    require grad), and torch.autocast's state."""
     call = tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
                  else ("const", type(x).__name__, repr(x)) for x in leaves)
     # each submodule's plain Python attributes (train/eval, Dropout's p, a flag its forward
@@ -381,7 +381,9 @@ def _signature(training: bool, in_spec: Any, leaves: list, module: torch.nn.Modu
     modes = tuple(tuple(kv for kv in vars(m).items() if type(kv[1]) in _PLAIN) for m in module.modules())
     weights = tuple((n, tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter) and t.requires_grad)
                     for n, t in named.items())
-    return (training, in_spec, call, modes, weights)
+    # torch.autocast changes the exported dtypes
+    autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+    return (training, in_spec, call, modes, weights, autocast)
 
 
 class _Engine:
@@ -667,6 +669,10 @@ class ORTModule(torch.nn.Module):
         if self._fallback == "raise":
             raise exc
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc) else ''}"
+        if "Could not find an implementation" in reason:
+            reason += (" - onnxruntime's CPU kernels lack this op for this element type"
+                       + (" (torch.autocast is on: its float16 / bfloat16 casts are in the graph)"
+                          if torch.is_autocast_enabled("cpu") else ""))
         warnings.warn(f"ORTModule: {type(self.module).__name__} runs in PyTorch for this input "
                       f"signature, because building or running its onnxruntime graphs failed ({reason}); "
                       "pass fallback='raise' to see the error", RuntimeWarning, stacklevel=6)
