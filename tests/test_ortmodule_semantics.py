@@ -578,3 +578,25 @@ def test_autocast_is_part_of_the_signature():
     assert len(mine._engines) == 2
     _close(mine(x), ref(x), "after autocast: the float32 graph again")
     assert len(mine._engines) == 2
+
+
+def test_an_attribute_the_first_forward_sets_does_not_rebuild_the_graph():
+    class Lazy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+            self.cached_len = 0  # grown on the first call, as rotary-embedding caches are
+
+        def forward(self, x):
+            self.cached_len = max(self.cached_len, x.shape[0])
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    ref, mine = _pair(Lazy())
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        _close(mine(x), ref(x))
+    assert len({id(e) for e in mine._engines.values()}) == 1
+    y = torch.randn(5, 4)  # a longer input: a graph of its own, the cache grown as in torch
+    _close(mine(y), ref(y))
+    assert mine.module.cached_len == ref.cached_len == 5

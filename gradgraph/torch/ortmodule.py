@@ -585,6 +585,10 @@ class ORTModule(torch.nn.Module):
         if key not in self._engines:
             self._engines[key] = self._build(key, args, kwargs, tensors, training)
             self._builds += 1
+            # a forward that sets a plain attribute on its first run (a lazily built cache's
+            # length, a warned-once flag): the graph was exported in the state it left
+            after = _signature(training, in_spec, leaves, self.module, _named_tensors(self.module))
+            self._engines.setdefault(after, self._engines[key])
             if self._builds == MANY_SIGNATURES:
                 warnings.warn(
                     f"ORTModule: {type(self.module).__name__} has been exported for {self._builds} "
