@@ -215,21 +215,26 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
     order = ["dynamo", "legacy"] if exporter == "auto" else [exporter]
     # Exporting runs the module (tracing, and once here for the output structure): a train-mode
     # BatchNorm would update its running statistics. The buffers are put back afterwards.
-    saved = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
+    saved = snapshot_buffers(module)
     try:
         # the probe sees which inputs require grad (trap 5)
         probe_inputs = tuple(t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
                              for t in leaves if isinstance(t, torch.Tensor))
         flat.mutations, reference = _probe(module, flat, probe_inputs, stop_gradients)
-        _restore(module, saved)  # the export stores the buffers' values as they are now
+        restore_buffers(module, saved)  # the export stores the buffers' values as they are now
         exported = _export_first(module, flat, tensors, input_names, order, training, opset, dynamic)
         exported.reference_outputs = reference
         return exported
     finally:
-        _restore(module, saved)
+        restore_buffers(module, saved)
 
 
-def _restore(module: torch.nn.Module, saved: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def snapshot_buffers(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer of ``module`` by path: the tensor and a copy of its value."""
+    return {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
+
+
+def restore_buffers(module: torch.nn.Module, saved: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Every buffer back to its tensor (a forward may have reassigned it) and that tensor's value."""
     with torch.no_grad():
         for name, (buffer, value) in saved.items():

@@ -49,7 +49,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from gradgraph.io import save_model
-from gradgraph.torch.export import ExportedCall, export_call
+from gradgraph.torch.export import ExportedCall, export_call, restore_buffers, snapshot_buffers
 from gradgraph.training.ort_state import release_free_memory
 from passes.autodiff import GradientOptions
 from passes.autodiff.engine import FLOAT_TYPES
@@ -599,7 +599,7 @@ class ORTModule(torch.nn.Module):
         if engine is None:  # this signature falls back to PyTorch
             return self.module(*args, **kwargs)
         if engine.first_run:
-            return self._first_run(key, engine, args, kwargs, tensors, named, training)
+            return self._first_run(engine, args, kwargs, tensors, named, training)
         return self._run(engine, tensors, named, training)
 
     def _run(self, engine: _Engine, tensors: list[torch.Tensor], named: dict[str, torch.Tensor],
@@ -614,11 +614,11 @@ class ORTModule(torch.nn.Module):
             outs = tuple(_to_torch(kept[n]) for n in runner.user_outputs)
         return engine.exported.rebuild(list(outs))
 
-    def _first_run(self, key: Any, engine: _Engine, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
+    def _first_run(self, engine: _Engine, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
                    named: dict[str, torch.Tensor], training: bool) -> Any:
         """A signature's first run: a failure, or outputs unlike PyTorch's (the export lost part
         of the forward), make the signature fall back (or raise) like a failed build."""
-        saved = {n: t.detach().clone() for n, t in named.items() if not isinstance(t, torch.nn.Parameter)}
+        saved = snapshot_buffers(self.module)
         try:
             result = self._run(engine, tensors, named, training)
             reference, engine.reference = engine.reference, None
@@ -630,11 +630,10 @@ class ORTModule(torch.nn.Module):
                         f"values than the module in PyTorch ({where}): the export lost part of "
                         "the forward")
         except Exception as exc:  # noqa: BLE001 - as a failed build
-            with torch.no_grad():  # the buffers as they were before this call
-                for n, value in saved.items():
-                    named[n].copy_(value)
+            restore_buffers(self.module, saved)  # as they were before this call
             self._fail(exc)
-            self._engines[key] = None
+            for k in [k for k, e in self._engines.items() if e is engine]:
+                self._engines[k] = None  # under its signatures before and after the build
             return self.module(*args, **kwargs)
         engine.first_run = False
         return result
