@@ -600,3 +600,29 @@ def test_an_attribute_the_first_forward_sets_does_not_rebuild_the_graph():
     y = torch.randn(5, 4)  # a longer input: a graph of its own, the cache grown as in torch
     _close(mine(y), ref(y))
     assert mine.module.cached_len == ref.cached_len == 5
+
+
+def test_embedding_bag_runs_in_onnxruntime_for_inference_and_falls_back_for_training():
+    # the dynamo export builds EmbeddingBag's bags in a Loop carrying a sequence: the forward
+    # preparation typed the carried values as tensors, which onnxruntime refused (inference fell
+    # back too); training needs a Loop gradient over a sequence, which gradgraph does not have
+    class Bag(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(10, 4, mode="mean")
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, ids, offsets):
+            return self.lin(self.bag(ids, offsets))
+
+    torch.manual_seed(0)
+    ref, mine = _pair(Bag())
+    ids, offsets = torch.tensor([0, 1, 2, 5, 3, 3, 1]), torch.tensor([0, 2, 3])
+    with torch.no_grad():
+        _close(mine(ids, offsets), ref(ids, offsets))
+    fallback = ORTModule(copy.deepcopy(ref), fallback="warn")
+    with pytest.warns(RuntimeWarning, match="Loop gradient supports tensor loop-carried values"):
+        out = fallback(ids, offsets)
+    out.sum().backward()
+    ref(ids, offsets).sum().backward()
+    _grads_equal(ref, fallback.module)

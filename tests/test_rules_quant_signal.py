@@ -682,3 +682,40 @@ def test_dft_refusals():
         y = DFT(x, , axis)
         loss = ReduceSum<keepdims = 0>(y)
     }""", 20), ["x"], "computed 'axis'")
+
+
+@pytest.mark.parametrize("new_axis", [0, 1])
+def test_sequence_rules_on_tensors_of_unknown_rank(new_axis):
+    """A sequence of tensors whose rank shape inference does not know (a Loop's sequence in the
+    dynamo exporter's EmbeddingBag; here a Reshape to a shape of unknown length):
+    SplitToSequence and ConcatFromSequence with axes >= 0 need no rank (they refused: "tensor
+    of unknown rank")."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]),
+             helper.make_node("SplitToSequence", ["r"], ["s"], axis=1),
+             helper.make_node("ConcatFromSequence", ["s"], ["y"], axis=0, new_axis=new_axis),
+             helper.make_node("Mul", ["y", "y"], ["z"])]
+    model = model_of(nodes, {"x": [12]}, ["z"], opset=18)
+    model.graph.input.append(helper.make_tensor_value_info("shape", onnx.TensorProto.INT64, ["n"]))
+    assert_fd(model, {"x": randn(rng, 12), "shape": np.array([3, 4], np.int64)}, wrt=["x"])
+
+
+@pytest.mark.parametrize("cond", [True, False])
+def test_if_branch_returning_its_own_initializer(cond):
+    """onnxscript's optimizer folds a branch's constant output into an initializer of the branch
+    (seen in the dynamo exporter's EmbeddingBag): no gradient flows there, the other output's
+    does (the rule refused the branch: "returns ..., which it does not compute")."""
+    def branch(name: str, op: str, value: float) -> onnx.GraphProto:
+        return helper.make_graph(
+            [helper.make_node(op, ["x", "x"] if op == "Mul" else ["x"], [f"{name}_y"])], name, [],
+            [helper.make_tensor_value_info(f"{name}_y", FLOAT, [2, 3]),
+             helper.make_tensor_value_info(f"{name}_c", FLOAT, [2, 3])],
+            [numpy_helper.from_array(np.full((2, 3), value, np.float32), f"{name}_c")])
+
+    nodes = [helper.make_node("If", ["c"], ["y", "k"], then_branch=branch("t", "Mul", 2.0),
+                              else_branch=branch("e", "Neg", -1.0)),
+             helper.make_node("Mul", ["y", "k"], ["z"])]
+    model = model_of(nodes, {"x": [2, 3]}, ["z"], opset=18)
+    model.graph.input.append(helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, []))
+    rng = np.random.default_rng(4)
+    assert_fd(model, {"x": randn(rng, 2, 3), "c": np.array(cond)}, wrt=["x"])

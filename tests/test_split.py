@@ -197,3 +197,29 @@ def test_tiny_transformers_split_exactly(tmp_path, name, recompute):
         stash, _ = total_stash_bytes(model)
         RecomputePass(RecomputeOptions(memory_budget=stash // 2))(model)
     assert_split_exact(model, feeds)
+
+
+LOOP = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[2, 3] x, int64 trips) => (float loss) <float[3, 3] W = {0.1, -0.2, 0.3, 0.4, 0.5, -0.6, 0.7, 0.8, 0.9}> {
+  cond = Constant <value = bool {1}> ()
+  h = Loop (trips, cond, x) <body = step (int64 i, bool c, float[2, 3] h_in) => (bool c_out, float[2, 3] h_out) {
+    c_out = Identity (c)
+    p = MatMul (h_in, W)
+    h_out = Tanh (p)
+  }>
+  loss = ReduceSum <keepdims = 0> (h)
+}
+"""
+
+
+def test_a_loop_whose_gradient_body_reads_forward_values_splits_exactly():
+    # the Loop's gradient sweeps a body that reads values of the forward (the recorded
+    # per-iteration states): the split saw no reader of them (subgraph reads were not
+    # resolved to their node) and failed removing them ("still being used")
+    from onnx import parser
+
+    grad = gradgraph.build_gradient_graph(parser.parse_model(LOOP), "loss", ["W"])
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32),
+             "trips": np.array(3, np.int64)}
+    assert_split_exact(ir.from_proto(grad), feeds)

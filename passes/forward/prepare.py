@@ -49,6 +49,7 @@ class PrepareForGradientPass(InPlacePass):
             ExposeNormStatsPass(),
             TypeSequenceOutputsPass(),
             common.ShapeInferencePass(strict_mode=False),
+            TypeSequenceOutputsPass(),  # what inference typed as tensors (element dtype unknown before)
         )
         try:
             result = steps(model)

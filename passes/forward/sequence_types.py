@@ -6,7 +6,10 @@ without a type that makes a *tensor* type, so the output of e.g. ``SplitToSequen
 the model ("Type (tensor(float)) of output arg ... does not match expected type
 (seq(tensor(float)))"). Run before shape inference: every untyped output whose ONNX
 schema allows only sequence types gets ``seq(tensor(<dtype>))``, the element dtype taken
-from the node's first typed input (or SequenceEmpty's ``dtype`` attribute).
+from the node's first typed input (or SequenceEmpty's ``dtype`` attribute). A Loop value
+carried from a sequence gets the sequence's type on the body's input and output and on the
+Loop's output. Run again after shape inference, it corrects the outputs that inference
+typed as tensors (their element dtype was unknown before it).
 """
 
 from __future__ import annotations
@@ -46,11 +49,36 @@ class TypeSequenceOutputsPass(InPlacePass):
                 continue
             is_seq = _sequence_outputs(node.op_type, opset)
             for i, out in enumerate(node.outputs):
-                if out.type is not None or not is_seq or not is_seq[min(i, len(is_seq) - 1)]:
+                if isinstance(out.type, ir.SequenceType) or not is_seq or not is_seq[min(i, len(is_seq) - 1)]:
                     continue
-                dtype = _element_dtype(node)
+                # untyped, or typed as a tensor by shape inference (its dtype is the elements')
+                dtype = out.type.dtype if isinstance(out.type, ir.TensorType) else _element_dtype(node)
                 if dtype is None:
                     continue
                 out.type = ir.SequenceType(ir.TensorType(dtype))
                 modified = True
+        while _type_loop_carried(model.graph):  # nested loops: until nothing changes
+            modified = True
         return PassResult(model, modified)
+
+
+def _type_loop_carried(graph: ir.Graph) -> bool:
+    """A Loop value carried from a sequence (the dynamo exporter's EmbeddingBag, a list built
+    in a loop) gets that sequence type on the body's input and output and on the Loop's
+    output; shape inference would make them tensors, which onnxruntime refuses."""
+    changed = False
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        if node.op_type != "Loop" or node.domain not in ("", "ai.onnx") or "body" not in node.attributes:
+            continue
+        body = node.attributes["body"].value
+        for k, initial in enumerate(node.inputs[2:]):
+            if initial is None or not isinstance(initial.type, ir.SequenceType):
+                continue
+            linked = [body.inputs[2 + k] if 2 + k < len(body.inputs) else None,
+                      body.outputs[1 + k] if 1 + k < len(body.outputs) else None,
+                      node.outputs[k] if k < len(node.outputs) else None]
+            for value in linked:
+                if value is not None and not isinstance(value.type, ir.SequenceType):
+                    value.type = initial.type
+                    changed = True
+    return changed

@@ -67,16 +67,54 @@ def _is_constant(node: ir.Node) -> bool:
     return node.op_type == "Constant" and node.domain in ("", "ai.onnx") and not node.inputs
 
 
+def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+    graphs: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attr.value)
+    return graphs
+
+
+def _owners(graph: ir.Graph) -> dict[int, ir.Node]:
+    """Each node inside a subgraph (If branches, Loop and Scan bodies, nested) -> the node of
+    ``graph`` that holds it: a value an inner node reads is read by that node."""
+    return {id(inner): node for node in graph for sub in _subgraphs(node)
+            for inner in ir.traversal.RecursiveGraphIterator(sub)}
+
+
+def _readers(value: ir.Value, owners: dict[int, ir.Node]) -> list[ir.Node]:
+    """The nodes of the top graph that read ``value``, directly or inside their subgraphs."""
+    return [owners.get(id(u.node), u.node) for u in value.uses()]
+
+
+def _reads(node: ir.Node, top: set[int]) -> list[ir.Value]:
+    """The values of the top graph (ids ``top``) that ``node`` reads: its inputs and those its
+    subgraphs capture."""
+    values = [v for v in node.inputs if v is not None]
+    for sub in _subgraphs(node):
+        for inner in ir.traversal.RecursiveGraphIterator(sub):
+            values.extend(v for v in inner.inputs if v is not None and id(v) in top)
+    return values
+
+
+def _top_values(graph: ir.Graph) -> set[int]:
+    return ({id(v) for v in graph.inputs} | {id(v) for v in graph.initializers.values()}
+            | {id(v) for node in graph for v in node.outputs})
+
+
 def backward_side(graph: ir.Graph) -> list[bool]:
     """For each node in graph order: does it belong to the backward side (rule 1)?"""
+    owners, top = _owners(graph), _top_values(graph)
     # Graph inputs only backward-side nodes read (the seeds of output gradients) are the
     # backward's: a Shape of one runs there too, the forward is never fed them.
     produced_by_backward: set[int] = {
         id(v) for v in graph.inputs
-        if v.uses() and all(role_of(u.node) in BACKWARD_SIDE for u in v.uses())}
+        if v.uses() and all(role_of(r) in BACKWARD_SIDE for r in _readers(v, owners))}
     sides = []
     for node in graph:
-        reads_backward = any(v is not None and id(v) in produced_by_backward for v in node.inputs)
+        reads_backward = any(id(v) in produced_by_backward for v in _reads(node, top))
         shape_only = node.op_type in SHAPE_ONLY and node.domain in ("", "ai.onnx")
         back = reads_backward or (role_of(node) in BACKWARD_SIDE and not shape_only)
         if back:
@@ -93,7 +131,8 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
         raise SplitError("the graph has no backward node (no node is marked gradgraph.stage = "
                          "backward): build the gradient graph first (GradientPass)")
     nodes = list(graph)
-    dead = _dead_nodes(graph)
+    owners = _owners(graph)
+    dead = _dead_nodes(graph, owners)
     sides = [b and id(n) not in dead for n, b in zip(nodes, sides)]
     back_ids = {id(n) for n, b in zip(nodes, sides) if b}
     graph_outputs = {id(v) for v in graph.outputs}
@@ -105,7 +144,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
         if back or id(node) in dead:
             continue
         for value in node.outputs:
-            if not any(id(u.node) in back_ids for u in value.uses()):
+            if not any(id(r) in back_ids for r in _readers(value, owners)):
                 continue
             if _is_constant(node):
                 copied_constants.add(index)
@@ -117,7 +156,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     outputs_read = [v for v in crossing if id(v) in graph_outputs]
     back_outputs = [v for v in graph.outputs if v.producer() is not None and id(v.producer()) in back_ids]
     graph_inputs_read = [v for v in graph.inputs
-                         if any(id(u.node) in back_ids for u in v.uses())]
+                         if any(id(r) in back_ids for r in _readers(v, owners))]
 
     proto = ir.to_proto(model)
     if any(v.type is None for v in crossing):  # the halves' inputs and outputs need their types
@@ -133,7 +172,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     fwd_values = _values_by_name(forward.graph)
     forward.graph.outputs.clear()
     forward.graph.outputs.extend(fwd_values[v.name] for v in user_outputs + stashed)
-    forward.graph.remove([n for i, n in enumerate(fwd_nodes) if i not in keep_in_forward], safe=True)
+    _remove(forward.graph, [n for i, n in enumerate(fwd_nodes) if i not in keep_in_forward])
     _drop_unused_constants(forward.graph, graph_outputs_names={v.name for v in forward.graph.outputs})
     _prune_inputs(forward.graph)
 
@@ -149,7 +188,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
         old.replace_all_uses_with(new)
         new_inputs.append(new)
     caller_inputs = [bwd_values[v.name] for v in graph_inputs_read]
-    backward.graph.remove([n for i, n in enumerate(bwd_nodes) if i not in keep_in_backward], safe=True)
+    _remove(backward.graph, [n for i, n in enumerate(bwd_nodes) if i not in keep_in_backward])
     backward.graph.inputs.clear()
     backward.graph.inputs.extend(new_inputs + caller_inputs)
     _prune_initializers(backward.graph)  # the forward's were pruned with its inputs
@@ -163,17 +202,28 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
         from_caller=tuple(v.name or "" for v in graph_inputs_read))
 
 
-def _dead_nodes(graph: ir.Graph) -> set[int]:
-    """Ids of the nodes none of whose values reaches a graph output (rule 5). A value read inside
-    a subgraph counts as used: the reader's owner is not resolved. Nodes are in graph order,
-    so a node's readers are decided before it."""
+def _dead_nodes(graph: ir.Graph, owners: dict[int, ir.Node]) -> set[int]:
+    """Ids of the nodes none of whose values reaches a graph output (rule 5); a value read
+    inside a subgraph is read by the subgraph's node. Nodes are in graph order, so a node's
+    readers are decided before it."""
     outputs = {id(v) for v in graph.outputs}
     dead: set[int] = set()
     for node in reversed(list(graph)):
-        if not any(id(v) in outputs or any(id(u.node) not in dead for u in v.uses())
+        if not any(id(v) in outputs or any(id(r) not in dead for r in _readers(v, owners))
                    for v in node.outputs):
             dead.add(id(node))
     return dead
+
+
+def _remove(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """``graph.remove(nodes, safe=True)``, the nodes inside their subgraphs first detached from
+    what they read (a Loop body reading an outer value another removed node makes)."""
+    for node in nodes:
+        for sub in _subgraphs(node):
+            for inner in ir.traversal.RecursiveGraphIterator(sub):
+                for i in range(len(inner.inputs)):
+                    inner.replace_input_with(i, None)
+    graph.remove(nodes, safe=True)
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str | None, ir.Value]:

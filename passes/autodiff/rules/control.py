@@ -79,14 +79,16 @@ def _rename_all(graph: ir.Graph, tag: str) -> None:
 
 
 def _check_outputs(body: ir.Graph) -> None:
-    """Refuse branch outputs that are not produced inside the branch (outer values returned as is).
+    """Refuse branch outputs that are not produced inside the branch (outer values returned as
+    is); the branch's own initializers (onnxscript's optimizer folds constants into them) are fine.
 
     onnx_ir loads such an output as a value unconnected to the outer one, so its gradient
     would be lost silently; onnxruntime refuses these models too.
     """
+    initializers = {id(v) for v in body.initializers.values()}  # constants: no gradient, fine
     for value in body.outputs:
         producer = value.producer()
-        if producer is None or producer.graph is not body:
+        if id(value) not in initializers and (producer is None or producer.graph is not body):
             raise ValueError(f"branch {body.name!r} returns {value.name!r}, which it does not compute; "
                              "put an Identity inside the branch (onnxruntime requires it as well)")
 

@@ -154,13 +154,14 @@ def chunk_positions(b: OpBuilder, t: Var, axis: int, lengths: Var) -> Var:
     Returns, in ``t``'s own flat order, each element's index in that flat gradient (a
     permutation of ``range(t.size)``).
     """
-    rank = t.rank
-    if rank is None:
-        raise ValueError("sequence gradient: tensor of unknown rank")
+    rank = t.rank  # None: shape inference lost it (a Loop's sequence); the axis is >= 0 here
     shape = b.Shape(t)
     one = b.const(np.array([1], np.int64))
     outer = b.reduce("ReduceProd", b.Slice(shape, [0], [axis]), None) if axis > 0 else one
-    inner = b.reduce("ReduceProd", b.Slice(shape, [axis + 1], [rank]), None) if axis < rank - 1 else one
+    if rank is None or axis < rank - 1:  # the product of an empty slice is 1
+        inner = b.reduce("ReduceProd", b.Slice(shape, [axis + 1], [_END]), None)
+    else:
+        inner = one
     zero = b.const(np.array(0, np.int64))
     step = b.const(np.array(1, np.int64))
     j = b.Range(zero, _scalar(b, b.dim(t, axis)), step)
