@@ -66,8 +66,10 @@ class ExportedCall:
     # torch paths of the buffers the call updates in place (trap 4): their new values are the
     # graph outputs after the module's own, in this order
     mutations: list[str] = dataclasses.field(default_factory=list)
-    # the module's own flat outputs as PyTorch computed them in the probe run (trap 5)
+    # the module's own flat outputs as PyTorch computed them in the probe run (trap 5), and
+    # the values the probe left in the buffers of ``mutations``
     reference_outputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    reference_mutations: list[torch.Tensor] = dataclasses.field(default_factory=list)
     # positions among output_spec's leaves that are None (``return out, None``): not graph outputs
     output_nones: list[int] = dataclasses.field(default_factory=list)
 
@@ -163,12 +165,30 @@ class _Flat(torch.nn.Module):
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+# the exporters' boilerplate lines, never the reason; and where a line's reason ends
+_BOILERPLATE = ("The error above occurred", "Create an issue", "If you would like to view", "draft_export",
+                "Create an error report", "- If there is", "Refer to the full stack trace",
+                "Torch IR graph at exception", "This is step", "For more information")
+_TAILS = ("Please feel free", "Please report", " [Caused by", "See the stack trace")
+# a line with one of these says what is not supported: the most useful line of a message
+_KEYS = ("Unsupported", "not supported", "No ONNX function", "No decompositions", "unsupported")
+
+
 def _reason(exc: BaseException) -> str:
-    """One readable line of an exporter's error (no colour codes, the line that names the error)."""
-    lines = [_ANSI.sub("", line).strip() for line in str(exc).splitlines()]
-    lines = [line for line in lines if line]
+    """One readable line of an exporter's error: no colour codes or boilerplate, the line that
+    says what is unsupported, else the last that names an error."""
+    lines = []
+    for line in str(exc).splitlines():
+        line = _ANSI.sub("", line).strip()
+        if not line or any(b in line for b in _BOILERPLATE):
+            continue
+        for tail in _TAILS:
+            line = line.split(tail)[0].strip()
+        if line:
+            lines.append(line)
+    keyed = [line for line in lines if any(k in line for k in _KEYS)]
     named = [line for line in lines if "Error" in line or "error" in line]
-    return (named[-1] if named else lines[0] if lines else "")[:300]
+    return (keyed[0] if keyed else named[-1] if named else lines[0] if lines else "")[:300]
 
 
 def _plain(out: Any) -> Any:
@@ -220,10 +240,10 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
         # the probe sees which inputs require grad (trap 5)
         probe_inputs = tuple(t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
                              for t in leaves if isinstance(t, torch.Tensor))
-        flat.mutations, reference = _probe(module, flat, probe_inputs, stop_gradients)
+        flat.mutations, reference, updated = _probe(module, flat, probe_inputs, stop_gradients)
         restore_buffers(module, saved)  # the export stores the buffers' values as they are now
         exported = _export_first(module, flat, tensors, input_names, order, training, opset, dynamic)
-        exported.reference_outputs = reference
+        exported.reference_outputs, exported.reference_mutations = reference, updated
         return exported
     finally:
         restore_buffers(module, saved)
@@ -246,10 +266,10 @@ def restore_buffers(module: torch.nn.Module, saved: dict[str, tuple[torch.Tensor
 
 
 def _probe(module: torch.nn.Module, flat: _Flat, tensors: tuple,
-           stop_gradients: bool) -> tuple[list[str], list[torch.Tensor]]:
+           stop_gradients: bool) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
     """One run of ``flat(*tensors)`` in PyTorch: the buffers it updates in place, BatchNorm's
-    own statistics left out (trap 4), and its outputs; with ``stop_gradients`` it runs with
-    grad enabled and raises :class:`StopsGradient` where trap 5 applies. The caller restores
+    own statistics left out (trap 4), its outputs and those buffers' new values; with
+    ``stop_gradients`` it runs with grad enabled and raises :class:`StopsGradient` where trap 5 applies. The caller restores
     the buffers afterwards."""
     norm_stats = {f"{path}.{name}" if path else name
                   for path, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
@@ -272,7 +292,7 @@ def _probe(module: torch.nn.Module, flat: _Flat, tensors: tuple,
         now = module.get_buffer(name)  # ``self.count = self.count + 1`` reassigns the buffer
         if now is not b or b._version != version or not torch.equal(b, value):
             changed.append(name)
-    return changed, outputs
+    return changed, outputs, [module.get_buffer(name).detach().clone() for name in changed]
 
 
 def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_names: list[str],

@@ -188,11 +188,12 @@ def _optimized(model: ir.Model) -> ir.Model:
         return ir.from_proto(before)
 
 
-def _mismatch(outs: tuple, reference: list[torch.Tensor]) -> str | None:
+def _mismatch(outs: tuple, reference: list[torch.Tensor], names: list[str] | None = None) -> str | None:
     """Where the graph's first outputs differ from PyTorch's beyond float32 reassociation, else None."""
     for k, (got, want) in enumerate(zip(outs, reference)):
+        what = names[k] if names else f"output {k}"
         if tuple(got.shape) != tuple(want.shape):
-            return f"output {k}: shape {tuple(got.shape)} against PyTorch's {tuple(want.shape)}"
+            return f"{what}: shape {tuple(got.shape)} against PyTorch's {tuple(want.shape)}"
         if not want.is_floating_point() or not want.numel():
             continue
         tol = 1e-2 if want.dtype in (torch.float16, torch.bfloat16) else 1e-3
@@ -200,7 +201,7 @@ def _mismatch(outs: tuple, reference: list[torch.Tensor]) -> str | None:
         scale = max(1.0, float(b[torch.isfinite(b)].abs().max()) if torch.isfinite(b).any() else 1.0)
         if not torch.allclose(a, b, rtol=tol, atol=tol * 0.1 * scale, equal_nan=True):
             diff = (a - b).abs().nan_to_num(float("inf"))
-            return f"output {k}: max abs difference {float(diff.max()):.3g} (PyTorch's max |value| {scale:.3g})"
+            return f"{what}: max abs difference {float(diff.max()):.3g} (PyTorch's max |value| {scale:.3g})"
     return None
 
 
@@ -416,9 +417,13 @@ class _Engine:
         self.user_outputs = [o.name or "" for o in model.graph.outputs[:n_user]]
         # PyTorch's outputs of the probe run, compared with the graph's first run (trap 5 of
         # export.py); not where the graph draws random numbers (Dropout masks differ)
-        self.reference: list[torch.Tensor] | None = (
-            None if _draws_random_numbers(model) else exported.reference_outputs)
-        exported.reference_outputs = []  # held here until the first run only
+        random = _draws_random_numbers(model)
+        self.reference: list[torch.Tensor] | None = None if random else exported.reference_outputs
+        # and the buffers it updated: an exporter may drop an update (InstanceNorm's running
+        # statistics: torch 2.13's InstanceNormalization has none)
+        self.reference_buffers: dict[str, torch.Tensor] = (
+            {} if random else dict(zip(exported.mutations, exported.reference_mutations)))
+        exported.reference_outputs, exported.reference_mutations = [], []  # until the first run only
         self.mutation_outputs = {o.name or "": path for o, path in
                                  zip(model.graph.outputs[n_user:], exported.mutations)}
         debug = owner._debug
@@ -622,8 +627,12 @@ class ORTModule(torch.nn.Module):
         try:
             result = self._run(engine, tensors, named, training)
             reference, engine.reference = engine.reference, None
+            buffers, engine.reference_buffers = engine.reference_buffers, {}
             if reference is not None:
                 where = _mismatch(tuple(x for x in pytree.tree_leaves(result) if x is not None), reference)
+                if where is None and buffers:
+                    where = _mismatch(tuple(named[path] for path in buffers), list(buffers.values()),
+                                      [f"buffer {path!r} after the call" for path in buffers])
                 if where is not None:
                     raise OutputMismatch(
                         f"the onnxruntime graph ({engine.exported.exporter} exporter) computes other "
@@ -671,7 +680,7 @@ class ORTModule(torch.nn.Module):
         """A signature that cannot run in onnxruntime: raise, or warn once and use PyTorch."""
         if self._fallback == "raise":
             raise exc
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc) else ''}"
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:600] if str(exc) else ''}"
         if "Could not find an implementation" in reason:
             reason += (" - onnxruntime's CPU kernels lack this op for this element type"
                        + (" (torch.autocast is on: its float16 / bfloat16 casts are in the graph)"
