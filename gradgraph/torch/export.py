@@ -27,7 +27,10 @@ Exporter traps (torch 2.13), handled here:
    export is refused (:class:`StopsGradient`) naming the call; a no_grad update of a buffer
    that the forward does not read afterwards is fine. The probe's outputs are kept
    (``ExportedCall.reference_outputs``) so that the caller can compare the graph's first run
-   with PyTorch (exporters lose some semantics silently, e.g. ``label_smoothing``).
+   with PyTorch (exporters lose some semantics silently: a fully masked attention row).
+6. torchlib writes ``cross_entropy`` as SoftmaxCrossEntropyLoss for every call: it drops
+   ``label_smoothing`` and makes an invalid model for probability targets. A custom
+   translation (:func:`cross_entropy_translation`) writes torch's formulas for those two.
 """
 
 from __future__ import annotations
@@ -215,6 +218,66 @@ def bn_train_translation() -> dict:
     return {torch.ops.aten._native_batch_norm_legit_functional.default: bn_train}
 
 
+def cross_entropy_translation() -> dict:
+    """aten.cross_entropy_loss as torch computes it (trap 6 above): torchlib writes
+    SoftmaxCrossEntropyLoss for every call, which drops ``label_smoothing`` and is an invalid
+    model for probability (float) targets."""
+    from onnxscript import opset18
+
+    op: Any = opset18  # traced: its typed signatures do not apply to the exporter's values
+
+    def scalar(value: float, like):  # a float constant of ``like``'s dtype
+        return op.CastLike(op.Constant(value_float=float(value)), like)
+
+    def cross_entropy(self, target, weight=None, reduction: int = 1, ignore_index: int = -100,
+                      label_smoothing: float = 0.0):
+        reduce_name = {0: "none", 1: "mean", 2: "sum"}[reduction]
+        soft = target.dtype is not None and target.dtype.is_floating_point()
+        if not soft and not label_smoothing:  # what torchlib writes: torch's result
+            loss, _ = op.SoftmaxCrossEntropyLoss(self, target, weight, reduction=reduce_name,
+                                                 ignore_index=ignore_index)
+            return loss
+        rank = len(self.shape) if self.shape is not None else 2
+        axis = 0 if rank == 1 else 1
+        axes = op.Constant(value_ints=[axis])
+        logp = op.LogSoftmax(self, axis=axis)
+        classes = op.CastLike(op.Gather(op.Shape(self), op.Constant(value_int=axis)), self)
+        weighted = logp
+        if weight is not None:
+            weighted = op.Mul(logp, op.Reshape(weight, op.Constant(
+                value_ints=[-1 if k == axis else 1 for k in range(rank)])))
+        if soft:  # -sum(target * log p), the mean over the positions (the class axis summed)
+            if label_smoothing:
+                target = op.Add(op.Mul(target, scalar(1.0 - label_smoothing, self)),
+                                op.Div(scalar(label_smoothing, self), classes))
+            per_position = op.Neg(op.ReduceSum(op.Mul(weighted, target), axes, keepdims=0))
+            if reduction == 0:
+                return per_position
+            total = op.ReduceSum(per_position, keepdims=0)
+            if reduction == 2:
+                return total
+            return op.Div(total, op.Div(op.CastLike(op.Size(self), self), classes))
+        # class indices with label smoothing: (1 - e) nll + e / C * smooth (torch's formula)
+        nll = op.NegativeLogLikelihoodLoss(logp, target, weight, reduction=reduce_name,
+                                           ignore_index=ignore_index)
+        ignored = op.Equal(target, op.CastLike(op.Constant(value_int=ignore_index), target))
+        zero = scalar(0.0, self)
+        smooth = op.Where(ignored, zero, op.Neg(op.ReduceSum(weighted, axes, keepdims=0)))
+        if reduction != 0:
+            smooth = op.ReduceSum(smooth, keepdims=0)
+        if reduction == 1:
+            if weight is None:
+                counted = op.CastLike(op.Not(ignored), self)
+            else:
+                safe = op.Where(ignored, op.CastLike(op.Constant(value_int=0), target), target)
+                counted = op.Where(ignored, zero, op.Gather(weight, safe))
+            smooth = op.Div(smooth, op.ReduceSum(counted, keepdims=0))
+        return op.Add(op.Mul(nll, scalar(1.0 - label_smoothing, self)),
+                      op.Mul(smooth, op.Div(scalar(label_smoothing, self), classes)))
+
+    return {torch.ops.aten.cross_entropy_loss.default: cross_entropy}
+
+
 def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training: bool,
                 exporter: str = "auto", opset: int = 18,
                 dynamic: list[dict[int, str]] | None = None, stop_gradients: bool = False) -> ExportedCall:
@@ -334,7 +397,7 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
         path = os.path.join(tmp, "model.onnx")
         if which == "dynamo":
             has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in flat.modules())
-            table = bn_train_translation() if training and has_bn else None
+            table = {**cross_entropy_translation(), **(bn_train_translation() if training and has_bn else {})}
             shapes = None
             if dynamic:  # the wrapper takes *tensors: one tuple of per-input specs
                 shapes = (tuple({axis: torch.export.Dim.AUTO for axis in axes} for axes in dynamic),)
