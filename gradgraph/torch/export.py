@@ -31,6 +31,8 @@ Exporter traps (torch 2.13), handled here:
 6. torchlib writes ``cross_entropy`` as SoftmaxCrossEntropyLoss for every call: it drops
    ``label_smoothing`` and makes an invalid model for probability targets. A custom
    translation (:func:`cross_entropy_translation`) writes torch's formulas for those two.
+7. torchlib's attention with a boolean mask gives a query that sees no key the average of the
+   values (torch: zeros; left-padded batches have such rows): :func:`attention_translation`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import weakref
 from typing import Any
 
 import onnx
+import onnx_ir as ir
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -278,6 +281,29 @@ def cross_entropy_translation() -> dict:
     return {torch.ops.aten.cross_entropy_loss.default: cross_entropy}
 
 
+def attention_translation() -> dict:
+    """aten.scaled_dot_product_attention with a boolean mask: torchlib's, then zeros for a query
+    whose mask row has no key (trap 7 above: torchlib masks with the dtype's lowest value, so
+    such a row averaged every value where torch gives zeros)."""
+    from onnxscript import opset18
+    from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
+
+    op: Any = opset18
+
+    def attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                  scale: float | None = None, enable_gqa: bool = False):
+        out = torchlib_nn.aten_scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa)
+        if attn_mask is None or attn_mask.dtype != ir.DataType.BOOL:
+            return out
+        sees_a_key = op.Cast(op.ReduceMax(op.Cast(attn_mask, to=ir.DataType.INT32),
+                                          op.Constant(value_ints=[-1]), keepdims=1), to=ir.DataType.BOOL)
+        return op.Where(sees_a_key, out, op.CastLike(op.Constant(value_float=0.0), out))
+
+    return {torch.ops.aten.scaled_dot_product_attention.default: attention}
+
+
 def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training: bool,
                 exporter: str = "auto", opset: int = 18,
                 dynamic: list[dict[int, str]] | None = None, stop_gradients: bool = False) -> ExportedCall:
@@ -397,7 +423,8 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
         path = os.path.join(tmp, "model.onnx")
         if which == "dynamo":
             has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in flat.modules())
-            table = {**cross_entropy_translation(), **(bn_train_translation() if training and has_bn else {})}
+            table = {**cross_entropy_translation(), **attention_translation(),
+                     **(bn_train_translation() if training and has_bn else {})}
             shapes = None
             if dynamic:  # the wrapper takes *tensors: one tuple of per-input specs
                 shapes = (tuple({axis: torch.export.Dim.AUTO for axis in axes} for axes in dynamic),)
