@@ -81,3 +81,35 @@ def test_prepare_does_what_it_says():
     dropout = next(n for n in result.model.graph if n.op_type == "Dropout")
     assert len(dropout.outputs) == 2 and dropout.outputs[1].name  # mask exposed
     assert all(v.shape is not None for n in result.model.graph for v in n.outputs)
+
+
+SEQUENCE_LOOP = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[3, 2] x, int64 trips) => (float[6, 2] y) {
+  cond = Constant <value = bool {1}> ()
+  empty = SequenceEmpty <dtype = 1> ()
+  rows = Loop (trips, cond, empty) <body = step (int64 i, bool c, seq_in) => (bool c_out, seq_out) {
+    c_out = Identity (c)
+    scale = Cast <to = 1> (i)
+    scaled = Mul (x, scale)
+    seq_out = SequenceInsert (seq_in, scaled)
+  }>
+  y = ConcatFromSequence <axis = 0> (rows)
+}
+"""
+
+
+def test_sequences_carried_by_a_loop_keep_their_type_through_shape_inference():
+    """A sequence carried by a Loop (torchlib's EmbeddingBag did that): shape inference typed
+    the body's carried input and output and the Loop's output as tensors; onnxruntime refused
+    the model ("Type mismatch")."""
+    model = ir.from_proto(parser.parse_model(SEQUENCE_LOOP))
+    PrepareForGradientPass()(model)
+    loop = next(n for n in model.graph if n.op_type == "Loop")
+    body = loop.attributes["body"].value
+    for value in (body.inputs[2], body.outputs[1], loop.outputs[0]):
+        assert isinstance(value.type, ir.SequenceType), value
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    (y,) = sess.run(None, {"x": x, "trips": np.array(2, np.int64)})
+    np.testing.assert_array_equal(y, np.concatenate([x * 0, x * 1]))

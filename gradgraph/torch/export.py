@@ -33,6 +33,8 @@ Exporter traps (torch 2.13), handled here:
    translation (:func:`cross_entropy_translation`) writes torch's formulas for those two.
 7. torchlib's attention with a boolean mask gives a query that sees no key the average of the
    values (torch: zeros; left-padded batches have such rows): :func:`attention_translation`.
+8. torchlib writes EmbeddingBag as a Loop over a sequence, which has no gradient here:
+   :func:`embedding_bag_translation` writes it with scatters.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ import warnings
 import weakref
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -304,6 +308,67 @@ def attention_translation() -> dict:
     return {torch.ops.aten.scaled_dot_product_attention.default: attention}
 
 
+def embedding_bag_translation() -> dict:
+    """aten embedding_bag without a Loop (trap 8 above): the bag of each index from the offsets
+    (a scatter of ones at the bag starts, then a running sum), the rows gathered, weighted
+    (per_sample_weights; 0 at padding_idx) and scattered into their bags with ScatterND's
+    add (sum, mean: divided by the bag's size) or max (an empty bag gives zeros, as in torch).
+    torchlib builds the bags in a Loop over a sequence, which has no gradient here."""
+    from onnxscript import opset18
+
+    op: Any = opset18
+
+    def embedding_bag(weight, indices, offsets, scale_grad_by_freq: bool = False, mode: int = 0,
+                      sparse: bool = False, per_sample_weights=None, include_last_offset: bool = False,
+                      padding_idx: int | None = None):
+        if scale_grad_by_freq:  # a gradient-only option the graph cannot carry
+            raise NotImplementedError("embedding_bag(scale_grad_by_freq=True) has no ONNX form here")
+        int64 = ir.DataType.INT64
+        idx = op.Reshape(indices, op.Constant(value_ints=[-1]))
+        starts = op.Slice(offsets, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1])) \
+            if include_last_offset else offsets
+        n = op.Shape(idx)  # [L]
+        bags = op.Shape(starts)  # [B]
+        # bag of each index: ones scattered at the starts (an empty bag's start repeats), summed
+        marks = op.ScatterElements(op.ConstantOfShape(op.Add(n, op.Constant(value_ints=[1])),
+                                                      value=ir.tensor([0], dtype=int64)),
+                                   starts, op.Expand(op.Constant(value_ints=[1]), bags), reduction="add")
+        bag = op.Sub(op.CumSum(op.Slice(marks, op.Constant(value_ints=[0]), n), op.Constant(value_int=0)),
+                     op.Constant(value_int=1))
+        rows = op.Gather(weight, idx)  # [L, D]
+        keep = None
+        if padding_idx is not None and padding_idx >= 0:
+            keep = op.Not(op.Equal(idx, op.Constant(value_int=int(padding_idx))))
+        where = op.Unsqueeze(bag, op.Constant(value_ints=[-1]))  # ScatterND indices [L, 1]
+        out_shape = op.Concat(bags, op.Slice(op.Shape(weight), op.Constant(value_ints=[1]),
+                                             op.Constant(value_ints=[2])), axis=0)
+        zero = op.CastLike(op.Constant(value_float=0.0), weight)
+        ones = op.Expand(op.CastLike(op.Constant(value_float=1.0), weight), n)
+        counted = ones if keep is None else op.Where(keep, ones, zero)
+        size = op.ScatterND(op.Expand(zero, bags), where, counted, reduction="add")  # [B]
+        if mode == 2:  # max over the bag's rows; an empty bag (or padding only) gives zeros
+            lowest = op.CastLike(op.Constant(value_float=float(np.finfo(np.float32).min)), weight)
+            if keep is not None:
+                rows = op.Where(op.Unsqueeze(keep, op.Constant(value_ints=[-1])), rows, lowest)
+            out = op.ScatterND(op.Expand(lowest, out_shape), where, rows, reduction="max")
+            out = op.Where(op.Unsqueeze(op.Greater(size, zero), op.Constant(value_ints=[-1])), out, zero)
+        else:
+            scale = counted if per_sample_weights is None else op.Mul(
+                op.Reshape(per_sample_weights, op.Constant(value_ints=[-1])), counted)
+            out = op.ScatterND(op.Expand(zero, out_shape), where,
+                               op.Mul(rows, op.Unsqueeze(scale, op.Constant(value_ints=[-1]))), reduction="add")
+            if mode == 1:
+                one = op.CastLike(op.Constant(value_float=1.0), weight)
+                out = op.Div(out, op.Unsqueeze(op.Max(size, one), op.Constant(value_ints=[-1])))
+        # torch's other three outputs, unused by the forward: the exporter writes torch's shapes
+        # on them (empty in some modes), so they are values of their own, removed unused
+        return out, op.Identity(bag), op.Cast(size, to=int64), op.Cast(op.Expand(zero, out_shape), to=int64)
+
+    return {target: embedding_bag for target in (
+        torch.ops.aten.embedding_bag.padding_idx, torch.ops.aten._embedding_bag.default,
+        torch.ops.aten._embedding_bag_forward_only.default)}
+
+
 def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training: bool,
                 exporter: str = "auto", opset: int = 18,
                 dynamic: list[dict[int, str]] | None = None, stop_gradients: bool = False) -> ExportedCall:
@@ -423,7 +488,7 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
         path = os.path.join(tmp, "model.onnx")
         if which == "dynamo":
             has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in flat.modules())
-            table = {**cross_entropy_translation(), **attention_translation(),
+            table = {**cross_entropy_translation(), **attention_translation(), **embedding_bag_translation(),
                      **(bn_train_translation() if training and has_bn else {})}
             shapes = None
             if dynamic:  # the wrapper takes *tensors: one tuple of per-input specs
@@ -450,4 +515,7 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
                                    f"into the graph ({frozen[0][:160]})")
         else:
             raise ValueError(f"exporter must be 'auto', 'dynamo' or 'legacy', not {which!r}")
-        return onnx.load(path)
+        model = onnx.load(path)
+        if which == "dynamo":  # translations' unused outputs (embedding_bag's) go
+            return ir.to_proto(common_passes.RemoveUnusedNodesPass()(ir.from_proto(model)).model)
+        return model
