@@ -728,3 +728,25 @@ def test_a_buffer_update_the_export_drops_falls_back_naming_the_buffer():
 def test_an_unsupported_operator_is_named_in_the_fallback_warning():
     with pytest.warns(RuntimeWarning, match=r"No ONNX function found for .*adaptive_max_pool2d"):
         ORTModule(torch.nn.AdaptiveMaxPool2d(3))(torch.randn(1, 2, 7, 7))
+
+
+def test_a_forward_that_updates_a_parameter_in_place_falls_back():
+    # Embedding(max_norm=...) renormalizes the rows it reads in its weight, in place: the
+    # graph computed with renormalized rows (and differentiated through the renormalization)
+    # but never stored them, so the weights drifted from torch's from the second batch on
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Flatten(),
+                                 torch.nn.Linear(12, 2))
+    with torch.no_grad():
+        module[0].weight.mul_(3)
+    ref, mine = _pair(module, fallback="warn")
+    with pytest.warns(RuntimeWarning, match=r"updates the parameter '0.weight' in place"):
+        mine(torch.tensor([[1, 2, 3], [3, 4, 5]]))
+    ref(torch.tensor([[1, 2, 3], [3, 4, 5]]))
+    ids = torch.tensor([[6, 7, 8], [9, 0, 6]])
+    got, want = mine(ids), ref(ids)
+    _close(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    _grads_equal(ref, mine.module)
+    _close(mine.module[0].weight, ref[0].weight, "the renormalized weight")

@@ -430,10 +430,17 @@ def _probe(module: torch.nn.Module, flat: _Flat, tensors: tuple,
                   for name in ("running_mean", "running_var", "num_batches_tracked")}
     buffers = [(n, b) for n, b in module.named_buffers() if n not in norm_stats]
     before = [(b._version, b.detach().clone()) for _, b in buffers]
+    params = [(n, p, p._version) for n, p in module.named_parameters()]
     watch = _StopGradientWatch()
     with torch.enable_grad() if stop_gradients else torch.no_grad():
         with watch if stop_gradients else contextlib.nullcontext():
             outputs = flat(*tensors)
+    updated = [n for n, p, version in params if p._version != version]
+    if updated:  # the graph would compute with the update, never store it (nor stop its gradient)
+        raise ExportFailed(
+            f"the forward updates the parameter {updated[0]!r} in place (Embedding(max_norm=...) "
+            "renormalizes its weight): the ONNX graph cannot write a parameter; this call ran once "
+            "in PyTorch to find it")
     if watch.reads:
         raise StopsGradient(
             f"the forward stops a gradient (.detach(), .data or torch.no_grad()) of a value that "
