@@ -11,7 +11,8 @@ Where the cut goes is read from the node marks (:mod:`passes.marks`), never from
    except a ``Shape`` or ``Size`` of a forward value: it runs in the forward, so that the
    backward keeps a few int64s instead of the whole tensor it only needs the shape of. A graph
    input that only backward-side nodes read (an output gradient's seed) counts as a backward
-   value: its ``Shape`` runs in the backward;
+   value: its ``Shape`` runs in the backward. A node reads what the nodes of its subgraphs
+   (If branches, Loop and Scan bodies) read from the outer graph;
 2. the forward side is every other node; it reads graph inputs, initializers and its own values
    only, so it runs alone;
 3. the forward's outputs are the graph outputs it produces, then the *stash*: every value it
