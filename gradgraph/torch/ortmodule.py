@@ -25,9 +25,9 @@ back to the module's buffers after each forward (torch's unbiased running varian
 In eval mode with grad enabled the graphs are built from the eval-mode export, so outputs
 still carry gradients, as in torch. An input or parameter that no output's gradient reaches
 keeps torch's ``None`` gradient (``GradientOptions(omit_unused=True)``). Attributes ORTModule
-lacks are read from the wrapped module, and set there after construction. When the export or the graph build fails, the signature runs in
-PyTorch with one warning naming the reason (``fallback="raise"`` raises instead). Not yet: CUDA
-tensors (refused with a clear error).
+lacks are read from the wrapped module, and set there after construction. When the export or
+the graph build fails, the signature runs in PyTorch with one warning naming the reason
+(``fallback="raise"`` raises instead). Not yet: CUDA tensors (refused with a clear error).
 """
 
 from __future__ import annotations
@@ -101,8 +101,9 @@ class DebugOptions:
     ``<prefix>_<stage>_<training|inference>.onnx``: ``torch_exported`` (the exporter's model),
     ``optimized_pre_grad`` (weights as inputs, optimized, ready for the gradient),
     ``optimized`` (with the gradient; training only) and what onnxruntime runs
-    (``execution_model`` for inference; for training ``execution_model_forward`` and ``execution_model_backward``). ``log_level`` (a :class:`LogLevel` or its name): ``INFO`` reports each build with
-    its time, ``VERBOSE`` adds onnxruntime's own session log.
+    (``execution_model`` for inference; for training ``execution_model_forward`` and
+    ``execution_model_backward``). ``log_level`` (a :class:`LogLevel` or its name): ``INFO``
+    reports each build with its time, ``VERBOSE`` adds onnxruntime's own session log.
     """
 
     save_onnx: bool = False
