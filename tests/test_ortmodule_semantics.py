@@ -750,3 +750,13 @@ def test_a_forward_that_updates_a_parameter_in_place_falls_back():
     want.sum().backward()
     _grads_equal(ref, mine.module)
     _close(mine.module[0].weight, ref[0].weight, "the renormalized weight")
+
+
+def test_names_of_ortmodule_itself_are_set_on_ortmodule():
+    # forward / module / __class__ went to the wrapped module (accelerate's hooks set forward)
+    mine = ORTModule(torch.nn.Linear(3, 3))
+    inner = mine.module
+    mine.forward = lambda x: x  # type: ignore[method-assign]
+    assert "forward" in mine.__dict__ and "forward" not in inner.__dict__
+    mine.tag = "set through ORTModule"
+    assert inner.tag == "set through ORTModule" and "tag" not in mine.__dict__

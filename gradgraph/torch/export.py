@@ -321,8 +321,9 @@ def embedding_bag_translation() -> dict:
     def embedding_bag(weight, indices, offsets, scale_grad_by_freq: bool = False, mode: int = 0,
                       sparse: bool = False, per_sample_weights=None, include_last_offset: bool = False,
                       padding_idx: int | None = None):
-        if scale_grad_by_freq:  # a gradient-only option the graph cannot carry
-            raise NotImplementedError("embedding_bag(scale_grad_by_freq=True) has no ONNX form here")
+        if scale_grad_by_freq or sparse:  # gradient-only options the graph cannot carry
+            raise NotImplementedError("embedding_bag(scale_grad_by_freq=True or sparse=True) has no "
+                                      "ONNX form here")
         int64 = ir.DataType.INT64
         idx = op.Reshape(indices, op.Constant(value_ints=[-1]))
         starts = op.Slice(offsets, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1])) \
@@ -338,7 +339,7 @@ def embedding_bag_translation() -> dict:
         rows = op.Gather(weight, idx)  # [L, D]
         keep = None
         if padding_idx is not None and padding_idx >= 0:
-            keep = op.Not(op.Equal(idx, op.Constant(value_int=int(padding_idx))))
+            keep = op.Not(op.Equal(idx, op.CastLike(op.Constant(value_int=int(padding_idx)), idx)))
         where = op.Unsqueeze(bag, op.Constant(value_ints=[-1]))  # ScatterND indices [L, 1]
         out_shape = op.Concat(bags, op.Slice(op.Shape(weight), op.Constant(value_ints=[1]),
                                              op.Constant(value_ints=[2])), axis=0)
@@ -438,7 +439,7 @@ def _probe(module: torch.nn.Module, flat: _Flat, tensors: tuple,
     updated = [n for n, p, version in params if p._version != version]
     if updated:  # the graph would compute with the update, never store it (nor stop its gradient)
         raise ExportFailed(
-            f"the forward updates the parameter {updated[0]!r} in place (Embedding(max_norm=...) "
+            f"the forward updates the parameter {updated[0]!r} in place (e.g. Embedding(max_norm=...) "
             "renormalizes its weight): the ONNX graph cannot write a parameter; this call ran once "
             "in PyTorch to find it")
     if watch.reads:

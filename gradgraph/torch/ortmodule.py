@@ -563,7 +563,9 @@ class ORTModule(torch.nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         # After construction an attribute ORTModule does not own is set on the wrapped module
         # (as onnxruntime's ORTModule did); its graphs are rebuilt on the next call.
-        if not self.__dict__.get("_initialized") or name in self.__dict__:
+        own = (name in self.__dict__ or name.startswith("__") or hasattr(type(self), name)
+               or any(name in self.__dict__.get(d, {}) for d in ("_modules", "_parameters", "_buffers")))
+        if not self.__dict__.get("_initialized") or own:  # ORTModule's own (forward, module, __class__)
             super().__setattr__(name, value)
             return
         setattr(self.module, name, value)
