@@ -37,6 +37,7 @@ import dataclasses
 
 import onnx_ir as ir
 
+from passes.autodiff.engine import captured_values
 from passes.marks import Role, role_of
 
 BACKWARD_SIDE = frozenset({Role.BACKWARD, Role.RECOMPUTE, Role.OPTIMIZER})
@@ -90,24 +91,9 @@ def _readers(value: ir.Value, owners: dict[int, ir.Node]) -> list[ir.Node]:
     return [owners.get(id(u.node), u.node) for u in value.uses()]
 
 
-def _reads(node: ir.Node, top: set[int]) -> list[ir.Value]:
-    """The values of the top graph (ids ``top``) that ``node`` reads: its inputs and those its
-    subgraphs capture."""
-    values = [v for v in node.inputs if v is not None]
-    for sub in _subgraphs(node):
-        for inner in ir.traversal.RecursiveGraphIterator(sub):
-            values.extend(v for v in inner.inputs if v is not None and id(v) in top)
-    return values
-
-
-def _top_values(graph: ir.Graph) -> set[int]:
-    return ({id(v) for v in graph.inputs} | {id(v) for v in graph.initializers.values()}
-            | {id(v) for node in graph for v in node.outputs})
-
-
 def backward_side(graph: ir.Graph) -> list[bool]:
     """For each node in graph order: does it belong to the backward side (rule 1)?"""
-    owners, top = _owners(graph), _top_values(graph)
+    owners = _owners(graph)
     # Graph inputs only backward-side nodes read (the seeds of output gradients) are the
     # backward's: a Shape of one runs there too, the forward is never fed them.
     produced_by_backward: set[int] = {
@@ -115,7 +101,8 @@ def backward_side(graph: ir.Graph) -> list[bool]:
         if v.uses() and all(role_of(r) in BACKWARD_SIDE for r in _readers(v, owners))}
     sides = []
     for node in graph:
-        reads_backward = any(id(v) in produced_by_backward for v in _reads(node, top))
+        reads = [v for v in node.inputs if v is not None] + captured_values(node)
+        reads_backward = any(id(v) in produced_by_backward for v in reads)
         shape_only = node.op_type in SHAPE_ONLY and node.domain in ("", "ai.onnx")
         back = reads_backward or (role_of(node) in BACKWARD_SIDE and not shape_only)
         if back:
