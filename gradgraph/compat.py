@@ -9,8 +9,10 @@ lowers both, converting the opset with ``onnx.version_converter`` and refusing (
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import onnx
+import onnxruntime as ort
 from onnx import TensorProto
 
 from passes.autodiff import GradientError
@@ -33,6 +35,25 @@ _DTYPE_MIN_IR = {
     if hasattr(TensorProto, name)
 }
 _DTYPE_ATTRS = ("to", "dtype", "output_dtype")
+
+
+# onnxruntime's refusal of a model newer than it reads
+_IR_REFUSED = re.compile(r"Unsupported model IR version: (\d+), max supported IR version: (\d+)")
+
+
+def inference_session(model: onnx.ModelProto, *args: Any, **kwargs: Any) -> ort.InferenceSession:
+    """``onnxruntime.InferenceSession`` of ``model`` (the other arguments are the session's). A
+    model whose IR version is above what this onnxruntime reads (the ``onnx`` package writes
+    the newest) is lowered to the runtime's maximum, which it names in its refusal; a data type
+    that IR version cannot hold is refused by :func:`for_runtime` with its name."""
+    try:
+        return ort.InferenceSession(model.SerializeToString(), *args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's Fail; anything else is raised as it is
+        refused = _IR_REFUSED.search(str(exc))
+        if refused is None:
+            raise
+    lowered = for_runtime(model, max_ir_version=int(refused.group(2)), max_opset=10**6)
+    return ort.InferenceSession(lowered.SerializeToString(), *args, **kwargs)
 
 
 def default_opset(model: onnx.ModelProto) -> int | None:

@@ -75,3 +75,23 @@ def test_training_parameters_refuse_unknown_properties() -> None:
     params.gradient_accumulation_steps = 2  # known: fine
     with pytest.raises(AttributeError, match="use_mixed_precison.*did you mean 'use_mixed_precision'"):
         params.use_mixed_precison = True
+
+
+def test_inference_session_lowers_an_ir_version_newer_than_the_runtime() -> None:
+    """A model written by a newer onnx package (IR version above onnxruntime's) still loads:
+    lowered to the maximum onnxruntime names in its refusal."""
+    from onnx import TensorProto, helper
+
+    from gradgraph.compat import inference_session
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 99
+    with pytest.raises(Exception, match="Unsupported model IR version: 99"):
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = inference_session(model, providers=["CPUExecutionProvider"])
+    x = np.array([-1.0, 0.5, 2.0], np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], np.maximum(x, 0))
+    assert model.ir_version == 99, "the caller's model is not changed"

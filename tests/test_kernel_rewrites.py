@@ -352,3 +352,51 @@ def test_rewrites_leave_edge_cases_alone() -> None:
             x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float16)
             feeds = {"x": x, "g": np.ones(4, np.float16), "b": np.zeros(4, np.float16)}
             np.testing.assert_allclose(_run(proto, feeds)[0], _run(norm, feeds)[0], rtol=1e-3, atol=1e-3)
+
+
+# ---- DecomposeTrainingBatchNormPass ----------------------------------------------------------------
+
+def _bn_training_model(shape: tuple[int, ...], momentum: float, stats_out: bool) -> onnx.ModelProto:
+    channels = shape[1]
+    rng = np.random.default_rng(5)
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(channels).astype(np.float32), "scale"),
+             onnx.numpy_helper.from_array(rng.standard_normal(channels).astype(np.float32), "bias"),
+             onnx.numpy_helper.from_array(rng.standard_normal(channels).astype(np.float32), "mean"),
+             onnx.numpy_helper.from_array(rng.uniform(0.5, 2, channels).astype(np.float32), "var")]
+    outs = ["y", "mean_out", "var_out"]  # training mode has all three; unread without stats_out
+    nodes = [helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], outs,
+                              epsilon=1e-3, momentum=momentum, training_mode=1),
+             helper.make_node("Mul", ["y", "y"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    graph_outs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+                  helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))]
+    if stats_out:
+        graph_outs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [channels]) for n in outs[1:]]
+    return _single(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))], graph_outs,
+                   inits, opset=15)
+
+
+@pytest.mark.parametrize("shape,momentum,stats_out", [((4, 3, 5, 6), 0.9, True), ((6, 2, 7), 0.3, True),
+                                                      ((5, 4), 0.9, False), ((2, 3, 2, 3, 4), 0.1, True)])
+def test_decomposed_training_batch_norm_same_values_and_gradients(shape, momentum, stats_out) -> None:
+    """onnxruntime's BatchNormalization kernel (training mode) is the oracle for the values, the
+    gradient graph of the kernel's op for the gradients (rtol 1e-5)."""
+    from pass_harness import assert_pass_preserves
+
+    from passes.kernels import DecomposeTrainingBatchNormPass
+
+    model = _bn_training_model(shape, momentum, stats_out)
+    feeds = {"x": np.random.default_rng(8).standard_normal(shape).astype(np.float32) * 2 + 0.5}
+    check = assert_pass_preserves(model, DecomposeTrainingBatchNormPass, feeds=feeds, rtol=1e-5, atol=1e-5,
+                                  weights=["scale", "bias"])
+    assert "BatchNormalization" not in {n.op_type for n in check.transformed.graph.node}
+
+
+def test_inference_batch_norm_is_left_alone() -> None:
+    from passes.kernels import DecomposeTrainingBatchNormPass
+
+    model = _bn_training_model((4, 3, 5), 0.9, False)
+    for attr in model.graph.node[0].attribute:
+        if attr.name == "training_mode":
+            attr.i = 0
+    assert not DecomposeTrainingBatchNormPass()(ir.from_proto(model)).modified

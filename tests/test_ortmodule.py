@@ -70,6 +70,19 @@ def test_cnn_with_batch_norm_trains_like_pytorch():
     _train("cnn", 10, "adamw")
 
 
+def test_cnn_trains_like_pytorch_with_batch_norm_decomposed(monkeypatch):
+    """The graph a CUDA device gets (onnxruntime's CUDA provider has no training-mode
+    BatchNormalization kernel: DecomposeTrainingBatchNormPass), run on the CPU."""
+    from gradgraph.torch import ortmodule
+    from passes.kernels import DecomposeTrainingBatchNormPass
+
+    made = []
+    monkeypatch.setattr(ortmodule, "device_rewrites",
+                        lambda device: made.append(device) or [DecomposeTrainingBatchNormPass()])
+    _train("cnn", 10, "adamw")
+    assert made, "the engine did not ask for the device's rewrites"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,optimizer", [("bert", "adamw"), ("gpt2", "sgd")])
 def test_tiny_transformers_train_like_pytorch(name, optimizer):

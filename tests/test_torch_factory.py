@@ -90,7 +90,7 @@ def test_run_options_reach_every_run_and_device_index_is_checked():
         TorchOrtFactory(_model(), ["zeta_w1"], run_options={"terminate": True})
     gpu = TorchOrtFactory(_model(), ["zeta_w1"], providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
                           device_index=1)
-    assert gpu._provider_options() == [{"device_id": "1"}, {}]
+    assert gpu._provider_options() == [{"device_id": "1", "use_tf32": "0"}, {}]  # torch's default: no TF32
     assert TorchOrtFactory(_model(), ["zeta_w1"])._provider_options() is None
 
 

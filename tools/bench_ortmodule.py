@@ -1,6 +1,7 @@
 """ORTModule against PyTorch eager: training-step time, first-call overhead, peak RSS.
 
     python tools/bench_ortmodule.py [--models bert,gpt2] [--rounds 5] [--reps 10] [--threads 2]
+                                    [--device cpu|cuda]
 
 Models: the peer's BERT-like and GPT-2-like modules (../shared/peer/models_def.py: 4 layers,
 hidden 256, seq 128, batch 8, dropout 0.1 active), each returning its loss. One step =
@@ -18,6 +19,9 @@ onnxruntime on this machine (a 2048x2048 float32 MatMul, same threads), both mea
 ``bench_training.py``'s children in this run; printed are ORTModule's achieved GFLOP/s, its
 share of the peak, and the floor ratio: the step's FLOPs at the GEMM peak against torch's step,
 i.e. the ratio ORTModule would reach if every FLOP ran at the peak and nothing else took time.
+With ``--device cuda`` both peers run on the GPU (onnxruntime-gpu's CUDAExecutionProvider for
+ORTModule), each step ends with ``torch.cuda.synchronize()``, and no GEMM bound is printed; peak
+RSS is then host memory only.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ def child(name: str, peer: str, args) -> dict:
     import models_def  # noqa: PLC0415 - the peer's module, found at run time
 
     module, batch, _ = models_def.build(name)
-    module.train()
+    device = torch.device(args.device)
+    module.to(device).train()
+    batch = tuple(t.to(device) for t in batch)
     model = module
     if peer == "ortmodule":
         from gradgraph.torch import ORTModule
@@ -63,6 +69,8 @@ def child(name: str, peer: str, args) -> dict:
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":  # the step's kernels done (the phases below are launch times)
+            torch.cuda.synchronize(device)
         phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return float(loss.detach())
 
@@ -83,6 +91,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda / cuda:N (needs a CUDA torch and onnxruntime-gpu)")
     parser.add_argument("--child", choices=PEERS)
     parser.add_argument("--model")
     args = parser.parse_args()
@@ -93,13 +103,17 @@ def main() -> None:
         sys.exit(f"peer material not found at {PEER} (set GRADGRAPH_PEER_DIR)")
     bench_training = str(Path(__file__).resolve().parent / "bench_training.py")
     common = [f"--threads={args.threads}", "--provider=cpu"]
-    gemm = run_child([sys.executable, bench_training, "--child", "gemm", *common])
-    if gemm.get("ok"):
+    on_cpu = args.device == "cpu"
+    # the GEMM bound is measured for the CPU only
+    gemm = run_child([sys.executable, bench_training, "--child", "gemm", *common]) if on_cpu else {}
+    if not on_cpu:
+        print(f"device {args.device}: no GEMM bound (it is measured for the CPU only)")
+    elif gemm.get("ok"):
         print(f"GEMM peak: {gemm['gflops']:.1f} GFLOP/s (2048x2048 float32 MatMul in onnxruntime "
               f"{gemm.get('onnxruntime')}, {args.threads} threads)")
     else:
         print(f"WARNING: GEMM peak not measured: {gemm.get('error')}")
-    env_note = f"{args.threads} threads, {args.rounds} rounds, median of {args.reps} steps after {args.warmup} warm-ups"
+    env_note = f"{args.device}, {args.threads} threads, {args.rounds} rounds, median of {args.reps} steps after {args.warmup} warm-ups"
     print(f"training step (forward + backward + torch AdamW), {env_note}")
     print(f"{'model':<6} {'torch ms':>9} {'ortmodule ms':>12} {'ratio (min-max)':>22} "
           f"{'first call s':>12} {'peak RSS MB torch / ortmodule':>30}")
@@ -109,7 +123,8 @@ def main() -> None:
             one = {}
             for peer in PEERS:
                 one[peer] = run_child([sys.executable, __file__, "--child", peer, "--model", name,
-                                  f"--threads={args.threads}", f"--reps={args.reps}", f"--warmup={args.warmup}"])
+                                  f"--threads={args.threads}", f"--reps={args.reps}", f"--warmup={args.warmup}",
+                                  f"--device={args.device}"])
                 if not one[peer].get("ok"):
                     print(f"{name} {peer}: failed: {one[peer].get('error')}")
             rounds.append(one)
@@ -127,6 +142,8 @@ def main() -> None:
             parts = " / ".join(f"{statistics.median(r[peer][f'{k}_ms'] for r in good):.1f}"
                                for k in ("forward", "backward", "optimizer"))
             print(f"       {peer}: forward / backward / optimizer ms {parts}")
+        if not on_cpu:
+            continue
         flops = run_child([sys.executable, bench_training, "--child", "flops", "--model", name, *common])
         if flops.get("ok") and gemm.get("ok"):
             gflop = flops["flops"] / 1e9

@@ -22,8 +22,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
+from gradgraph.compat import inference_session
 from gradgraph.io import load_model
-from gradgraph.torch.ortmodule import GraphRunner, _to_ort, _to_torch, apply_runner
+from gradgraph.torch.ortmodule import GraphRunner, _to_ort, _to_torch, apply_runner, device_rewrites
 from gradgraph.validate import check_names
 from passes.forward.distinct_outputs import DistinctOutputsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
@@ -103,19 +104,23 @@ class TorchOrtFactory:
                 f"{self.input_names!r}, output_names={self.output_names!r}, class_name={self.class_name!r})")
 
     def _provider_options(self) -> Sequence[dict] | None:
-        """The given provider options, else ``device_id = device_index`` for GPU providers."""
+        """The given provider options, else ``device_id = device_index`` for GPU providers, and
+        for CUDA TF32 exactly when torch allows it for its float32 matrix products
+        (``torch.backends.cuda.matmul.allow_tf32``, off by default; onnxruntime's default is on)."""
         if self.provider_options is not None:
             return self.provider_options
         names = [p if isinstance(p, str) else p[0] for p in self.providers]
         if not any(n in GPU_PROVIDERS for n in names):
             return None
-        return [{"device_id": str(self.device_index)} if n in GPU_PROVIDERS else {} for n in names]
+        tf32 = "1" if torch.backends.cuda.matmul.allow_tf32 else "0"
+        return [{"device_id": str(self.device_index), **({"use_tf32": tf32} if n == "CUDAExecutionProvider" else {})}
+                if n in GPU_PROVIDERS else {} for n in names]
 
     def _session(self, model: ir.Model) -> ort.InferenceSession:
         opts = self.sess_options or ort.SessionOptions()
-        return ort.InferenceSession(ir.to_proto(model).SerializeToString(), opts, providers=self.providers,
-                                    provider_options=self._provider_options(),
-                                    disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
+        return inference_session(ir.to_proto(model), opts, providers=self.providers,
+                                 provider_options=self._provider_options(),
+                                 disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
 
     def create_class(self, enable_logging: bool = False, keep_models: bool = False,
                      debug: bool = False) -> type[TorchOrtFunction]:
@@ -128,6 +133,9 @@ class TorchOrtFactory:
         n_user = len(self.output_names)
         PrepareForGradientPass(strict_parameters=False)(model)
         WholeScoresLossPass()(model)  # a loss over sliced scores: no copy of them, no Pad
+        providers = [p if isinstance(p, str) else p[0] for p in self.providers]
+        for rewrite in device_rewrites("cuda" if "CUDAExecutionProvider" in providers else "cpu"):
+            rewrite(model)
         # outputs the preparation exposed (Dropout masks, running statistics) are not the user's
         ParamsToInputsPass(self.weights_to_train)(model)
         # an output repeated, or a weight or input returned as it is: each its own value (a seed

@@ -27,7 +27,14 @@ still carry gradients, as in torch. An input or parameter that no output's gradi
 keeps torch's ``None`` gradient (``GradientOptions(omit_unused=True)``). Attributes ORTModule
 lacks are read from the wrapped module, and set there after construction. When the export or
 the graph build fails, the signature runs in PyTorch with one warning naming the reason
-(``fallback="raise"`` raises instead). Not yet: CUDA tensors (refused with a clear error).
+(``fallback="raise"`` raises instead).
+
+CUDA: a module and inputs on a CUDA device run on onnxruntime's CUDAExecutionProvider (the
+``onnxruntime-gpu`` package; without it the signature falls back to PyTorch with a warning that
+says so) on the same device; tensors cross by DLPack without copies, torch's current stream is
+synchronized before each onnxruntime run (onnxruntime synchronizes its own at the end of each
+run), and TF32 is used by onnxruntime's kernels exactly when
+``torch.backends.cuda.matmul.allow_tf32`` allows it for torch's matrix products (off by default).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import onnxscript.optimizer
 import torch
 from torch.utils import _pytree as pytree
 
+from gradgraph.compat import inference_session
 from gradgraph.io import save_model
 from gradgraph.torch.export import ExportedCall, export_call, restore_buffers, snapshot_buffers
 from gradgraph.training.ort_state import release_free_memory
@@ -58,7 +66,7 @@ from passes.autodiff.vjp import VjpSeedPass
 from passes.forward.distinct_outputs import DistinctOutputsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
-from passes.kernels import WholeScoresLossPass, kernel_passes
+from passes.kernels import DecomposeTrainingBatchNormPass, WholeScoresLossPass, kernel_passes
 from passes.marks import gradient_outputs
 from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 from passes.split import split_forward_backward
@@ -145,7 +153,23 @@ class DebugOptions:
             save_model(model, path)
 
 
-def _session(model: ir.Model, threads: int | None, severity: int = 3) -> ort.InferenceSession:
+def cuda_providers(device: torch.device) -> list:
+    """onnxruntime's providers for a CUDA ``device``; raises when onnxruntime has no CUDA provider."""
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise RuntimeError(f"the tensors are on {device} but this onnxruntime has no CUDAExecutionProvider "
+                           f"(it has {', '.join(available)}): install onnxruntime-gpu in place of "
+                           "onnxruntime, or move the module and its inputs to the CPU")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    options = {"device_id": str(index),
+               # torch's float32 matrix products use TF32 only where allowed (off by default)
+               "use_tf32": "1" if torch.backends.cuda.matmul.allow_tf32 else "0"}
+    return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+
+
+def _session(model: ir.Model, threads: int | None, severity: int = 3,
+             device: torch.device | None = None) -> ort.InferenceSession:
+    providers = cuda_providers(device) if device is not None and device.type == "cuda" else ["CPUExecutionProvider"]
     opts = ort.SessionOptions()
     opts.log_severity_level = severity
     if threads:
@@ -157,9 +181,8 @@ def _session(model: ir.Model, threads: int | None, severity: int = 3) -> ort.Inf
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     # No memory pattern: see gradgraph.training.ort_state.GraphRunner (peak RSS, same speed).
     opts.enable_mem_pattern = False
-    return ort.InferenceSession(ir.to_proto(model).SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"],
-                                disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
+    return inference_session(ir.to_proto(model), opts, providers=providers,
+                             disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
 
 
 RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
@@ -189,6 +212,11 @@ def _optimized(model: ir.Model) -> ir.Model:
         return ir.from_proto(before)
 
 
+def _tf32(device: torch.device) -> bool:
+    """May torch's or onnxruntime's float32 products on ``device`` round to TF32?"""
+    return device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+
+
 def _mismatch(outs: tuple, reference: list[torch.Tensor], names: list[str] | None = None) -> str | None:
     """Where the graph's first outputs differ from PyTorch's beyond float32 reassociation, else None."""
     for k, (got, want) in enumerate(zip(outs, reference)):
@@ -197,7 +225,7 @@ def _mismatch(outs: tuple, reference: list[torch.Tensor], names: list[str] | Non
             return f"{what}: shape {tuple(got.shape)} against PyTorch's {tuple(want.shape)}"
         if not want.is_floating_point() or not want.numel():
             continue
-        tol = 1e-2 if want.dtype in (torch.float16, torch.bfloat16) else 1e-3
+        tol = 1e-2 if want.dtype in (torch.float16, torch.bfloat16) or _tf32(want.device) else 1e-3
         a, b = got.detach().double(), want.double()
         scale = max(1.0, float(b[torch.isfinite(b)].abs().max()) if torch.isfinite(b).any() else 1.0)
         if not torch.allclose(a, b, rtol=tol, atol=tol * 0.1 * scale, equal_nan=True):
@@ -211,14 +239,34 @@ def _to_ort(t: torch.Tensor) -> ort.OrtValue:
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dtype == torch.bool:  # DLPack bools are not read as ONNX bool by every runtime
-        return ort.OrtValue.ortvalue_from_numpy(t.numpy())
+        # (a host copy; onnxruntime copies it to the device where a CUDA kernel reads it)
+        return ort.OrtValue.ortvalue_from_numpy(t.cpu().numpy())
     return ort.OrtValue.from_dlpack(t)
 
 
-def _to_torch(v: ort.OrtValue) -> torch.Tensor:
+def _to_torch(v: ort.OrtValue, device: torch.device | None = None) -> torch.Tensor:
+    """``v`` as a torch tensor (sharing its memory), on ``device`` when given: an output that
+    a CUDA session computed on the host (a shape, a node without a CUDA kernel) is copied there."""
     if v.data_type() == "tensor(bool)":
-        return torch.from_numpy(np.array(v.numpy()))
-    return torch.from_dlpack(v)
+        t = torch.from_numpy(np.array(v.numpy()))
+    else:
+        t = torch.from_dlpack(v)
+    return t if device is None or t.device == device else t.to(device)
+
+
+def _device_of(tensors: Any) -> torch.device:
+    """The device of the first tensor of ``tensors`` (the CPU when there is none)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the work torch queued on ``device``'s current stream (it produces the tensors
+    onnxruntime is about to read on its own stream)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _input_bytes(model: ir.Model) -> int:
@@ -373,27 +421,51 @@ def _signature(training: bool, in_spec: Any, leaves: list, module: torch.nn.Modu
                named: dict[str, torch.Tensor]) -> tuple:
     """What a built graph depends on: the call's structure (which argument, keyword or dict key
     holds which tensor, where the non-tensor values are and what they are), each tensor's shape,
-    dtype and requires_grad, every submodule's plain attributes (train/eval among them),
-    the module's parameters and buffers (their paths, shapes, dtypes, and which parameters
-    require grad), and torch.autocast's state."""
-    call = tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
+    dtype, requires_grad and device, every submodule's plain attributes (train/eval among them),
+    the module's parameters and buffers (their paths, shapes, dtypes, devices, and which
+    parameters require grad), and torch.autocast's state."""
+    call = tuple((tuple(x.shape), x.dtype, x.requires_grad, x.device) if isinstance(x, torch.Tensor)
                  else ("const", type(x).__name__, repr(x)) for x in leaves)
     # each submodule's plain Python attributes (train/eval, Dropout's p, a flag its forward
     # reads): the export bakes them into the graph
     modes = tuple(tuple(kv for kv in vars(m).items() if type(kv[1]) in _PLAIN) for m in module.modules())
-    weights = tuple((n, tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter) and t.requires_grad)
-                    for n, t in named.items())
+    weights = tuple((n, tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter) and t.requires_grad,
+                     t.device) for n, t in named.items())
     # torch.autocast changes the exported dtypes
     autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
     return (training, in_spec, call, modes, weights, autocast)
+
+
+def device_rewrites(device: torch.device | str) -> list:
+    """Passes a graph for ``device`` needs before its gradient: onnxruntime's CUDA provider has
+    no training-mode BatchNormalization kernel at opset 14 and later, so it is decomposed."""
+    kind = device.type if isinstance(device, torch.device) else device
+    return [DecomposeTrainingBatchNormPass()] if kind == "cuda" else []
+
+
+def _one_device(inputs: list[torch.Tensor], named: dict[str, torch.Tensor]) -> torch.device:
+    """The one device of the call's tensors and the module's parameters and buffers; raises
+    naming them where they are on several."""
+    where: dict[torch.device, str] = {}
+    for k, t in enumerate(inputs):
+        where.setdefault(t.device, f"input tensor {k}")
+    for path, t in named.items():
+        where.setdefault(t.device, f"{'parameter' if isinstance(t, torch.nn.Parameter) else 'buffer'} {path!r}")
+    if len(where) > 1:
+        raise RuntimeError("the call's tensors and the module's weights are on several devices ("
+                           + ", ".join(f"{what} on {d}" for d, what in where.items())
+                           + "): onnxruntime computes a call on one device; move them to one")
+    return next(iter(where), torch.device("cpu"))
 
 
 class _Engine:
     """The sessions of one call signature (module docstring)."""
 
     def __init__(self, owner: ORTModule, exported: ExportedCall, tensor_inputs: list[torch.Tensor],
-                 training: bool, train_norms: list[torch.nn.modules.batchnorm._BatchNorm]) -> None:
+                 training: bool, train_norms: list[torch.nn.modules.batchnorm._BatchNorm],
+                 device: torch.device) -> None:
         module = owner.module
+        self.device = device  # where the call's tensors are and the sessions compute
         self.exported = exported
         named = _named_tensors(module)
         self.weights = {**exported.parameters, **exported.buffers}  # onnx name -> torch path
@@ -414,6 +486,8 @@ class _Engine:
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
         PrepareForGradientPass(strict_parameters=False)(model)
         WholeScoresLossPass()(model)  # a loss over sliced logits: no copy of them, no Pad
+        for rewrite in device_rewrites(device):  # what the device's kernels lack
+            rewrite(model)
         DistinctOutputsPass()(model)  # again: the optimizer may merge equal outputs
         self.user_outputs = [o.name or "" for o in model.graph.outputs[:n_user]]
         # PyTorch's outputs of the probe run, compared with the graph's first run (trap 5 of
@@ -440,7 +514,8 @@ class _Engine:
         self.first_run = True  # ORTModule._first_run checks it against PyTorch
         self.runner = GraphRunner(model, self.input_names + list(self.weights), grad_inputs + grad_weights,
                                   self.user_outputs, training=training,
-                                  make_session=lambda m: _session(m, owner._threads, debug.ort_severity),
+                                  make_session=lambda m: _session(m, owner._threads, debug.ort_severity,
+                                                                  device),
                                   save=lambda m, stage: debug.save(m, stage, training))
 
     def write_back(self, outputs: dict[str, ort.OrtValue], named: dict[str, torch.Tensor]) -> None:
@@ -478,11 +553,13 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: GraphRunner, after_forward: Any,  # type: ignore[override]
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        device = _device_of(tensors)
         values = {n: _to_ort(t) for n, t in zip(runner.feed_names, tensors)}
+        _sync(device)
         kept = runner.run_forward(values)
         if after_forward is not None:
             after_forward(kept)
-        results = tuple(_to_torch(kept[n]) for n in runner.user_outputs)
+        results = tuple(_to_torch(kept[n], device) for n in runner.user_outputs)
         read = runner.backward_reads()
         as_output = {n: r for n, r in zip(runner.user_outputs, results)}
         saved_names, saved = [], []
@@ -496,6 +573,7 @@ class _Function(torch.autograd.Function):
                 saved.append(as_output[name] if name in as_output else _to_torch(kept[name]))
         ctx.save_for_backward(*saved)
         ctx.runner, ctx.saved_names = runner, saved_names
+        ctx.devices = [t.device for t in tensors]  # each gradient goes where its input is
         ctx.shapes = [(r.shape, r.dtype) for r in results]
         for r in results:
             if not r.is_floating_point():
@@ -510,12 +588,16 @@ class _Function(torch.autograd.Function):
                                "backward runs in onnxruntime and has no gradient of its own")
         runner: GraphRunner = ctx.runner
         stash = {n: _to_ort(t) for n, t in zip(ctx.saved_names, ctx.saved_tensors)}
+        device = ctx.devices[0] if ctx.devices else torch.device("cpu")
         seeds = {}
         for name, g, (shape, dtype) in zip(runner.user_outputs, grad_outputs, ctx.shapes):
             if name in runner.seeds:
-                seeds[name] = _to_ort(torch.zeros(shape, dtype=dtype) if g is None else g.to(dtype))
+                seeds[name] = _to_ort(torch.zeros(shape, dtype=dtype, device=device) if g is None
+                                      else g.to(dtype))
+        _sync(device)
         grads = runner.run_backward(stash, {}, seeds)
-        return (None, None, *(_to_torch(grads[n]) if n in grads else None for n in runner.feed_names))
+        return (None, None, *(_to_torch(grads[n], d) if n in grads else None
+                              for n, d in zip(runner.feed_names, ctx.devices)))
 
 
 def _set_log_level(level: LogLevel) -> None:
@@ -586,10 +668,6 @@ class ORTModule(torch.nn.Module):
             any(t.requires_grad for t in named.values() if isinstance(t, torch.nn.Parameter))
             or any(t.requires_grad for t in tensors))
         key = _signature(training, in_spec, leaves, self.module, named)
-        bad = [t.device.type for t in tensors if t.device.type != "cpu"]
-        if bad:
-            raise RuntimeError(f"ORTModule runs on CPU tensors for now; got tensors on {sorted(set(bad))} "
-                               "(move the module and inputs to the CPU, or use the module directly)")
         if key not in self._engines:
             self._engines[key] = self._build(key, args, kwargs, tensors, training)
             self._builds += 1
@@ -617,9 +695,11 @@ class ORTModule(torch.nn.Module):
             outs = apply_runner(engine.runner, feeds, lambda kept: engine.write_back(kept, named))
         else:
             runner = engine.runner
-            kept = runner.run_forward({n: _to_ort(t) for n, t in zip(runner.feed_names, feeds)})
+            values = {n: _to_ort(t) for n, t in zip(runner.feed_names, feeds)}
+            _sync(engine.device)
+            kept = runner.run_forward(values)
             engine.write_back(kept, named)  # a train-mode BatchNorm under no_grad updates its statistics
-            outs = tuple(_to_torch(kept[n]) for n in runner.user_outputs)
+            outs = tuple(_to_torch(kept[n], engine.device) for n in runner.user_outputs)
         return engine.exported.rebuild(list(outs))
 
     def _first_run(self, engine: _Engine, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
@@ -664,12 +744,13 @@ class ORTModule(torch.nn.Module):
         logger.info("ORTModule: exporting %s for a new call signature (%s)", type(self.module).__name__,
                     ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors))
         try:
+            device = _one_device(tensors, _named_tensors(self.module))
             norms = _training_batch_norms(self.module)  # refuses what is unsupported before exporting
             _check_hooks(self.module, training, self._hook_warned)
             exported = export_call(self.module, args, kwargs, training=self.module.training,
                                    stop_gradients=training)
             exported_at = time.perf_counter()
-            engine = _Engine(self, exported, tensors, training, norms)
+            engine = _Engine(self, exported, tensors, training, norms, device)
         except Exception as exc:  # noqa: BLE001 - any failure falls back (or is raised) with its reason
             self._fail(exc)
             return None

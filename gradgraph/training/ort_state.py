@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from gradgraph.compat import inference_session
 from gradgraph.feeds import NP_OF_ORT, check_feeds
 from passes.marks import STAGE_KEY, Role
 from passes.optimizer.optimizer_pass import VALID_IF_KEY, TrainingNames
@@ -128,9 +129,8 @@ class GraphRunner:
         # MB higher with it, its step time the same (tools/profile_training.py). Off here.
         options.enable_mem_pattern = False
         try:
-            self.session = ort.InferenceSession(
-                model.SerializeToString(), options, providers=providers,
-                provider_options=provider_options, disabled_optimizers=disabled)
+            self.session = inference_session(model, options, providers=providers,
+                                             provider_options=provider_options, disabled_optimizers=disabled)
         finally:  # the user's sess_options are never changed
             options.log_severity_level, options.enable_mem_pattern = level, pattern
         inputs = [i.name for i in self.session.get_inputs()]
