@@ -166,3 +166,40 @@ def test_training_session_on_cuda_matches_the_cpu():
                          for k in range(20)]
     assert np.all(np.isfinite(losses["cuda"]))
     np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=RTOL)
+
+
+class _ConvBN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        h = torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3))
+        return torch.nn.functional.cross_entropy(self.head(h), labels)
+
+
+def test_training_session_with_batch_norm_on_cuda_matches_the_cpu():
+    """Training-mode BatchNormalization (decomposed for CUDA) trains as on the CPU: losses and
+    running statistics after 10 SGD steps."""
+    from _training_models import export_training
+
+    import gradgraph
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((16, 3, 6, 6)).astype(np.float32)
+    labels = rng.integers(0, 5, 16).astype(np.int64)
+    model = export_training(_ConvBN(), (torch.from_numpy(x), torch.from_numpy(labels)), ["x", "labels"])
+    results = {}
+    for where, providers in (("cpu", ["CPUExecutionProvider"]),
+                             ("cuda", [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"])):
+        config = gradgraph.TrainingConfig(loss="loss", optimizer=gradgraph.SGDConfig(momentum=0.9))
+        session = gradgraph.TrainingSession(model, config, providers=providers)
+        losses = [session.train_step({"x": x, "labels": labels}, lr=0.05) for _ in range(10)]
+        results[where] = losses, session.eval_step({"x": x, "labels": labels})
+    assert np.all(np.isfinite(results["cuda"][0]))
+    np.testing.assert_allclose(results["cuda"][0], results["cpu"][0], rtol=RTOL)
+    for name, value in results["cpu"][1].items():  # eval mode: the running statistics at work
+        np.testing.assert_allclose(results["cuda"][1][name], value, rtol=RTOL, atol=ATOL, err_msg=name)

@@ -59,7 +59,7 @@ from passes.forward.expose_running_stats import ExposeRunningStatsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
 from passes.forward.reduce_loss import ReduceLossPass
-from passes.kernels import WholeScoresLossPass, kernel_passes
+from passes.kernels import DecomposeTrainingBatchNormPass, WholeScoresLossPass, kernel_passes
 from passes.marks import HELD_KEY, gradient_outputs
 from passes.optimizer import resolve
 from passes.optimizer.loss_scale import LossScalePass
@@ -208,6 +208,10 @@ def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
                                ReduceLossPass(config.loss, config.loss_reduction),
                                WholeScoresLossPass(), ExposeRunningStatsPass(names.out_suffix)]
     gradient: list[PassBase] = []
+    if providers and (providers[0] if isinstance(providers[0], str) else providers[0][0]) == "CUDAExecutionProvider":
+        # onnxruntime's CUDA kernel refuses training-mode BatchNormalization at opset >= 14; here,
+        # after the graph transforms, whose model the eval graph is made from (inference BatchNorm)
+        gradient.append(DecomposeTrainingBatchNormPass())
     loss = config.loss
     if config.mixed_precision.scales_loss:
         gradient.append(LossScalePass(config.loss, names.loss_scale, names.scaled_loss))
