@@ -279,6 +279,49 @@ def _input_bytes(model: ir.Model) -> int:
     return total
 
 
+def _run_session(session: ort.InferenceSession, outputs: list[str], feeds: dict[str, ort.OrtValue],
+                 run_options: ort.RunOptions | None) -> list[ort.OrtValue]:
+    """``session``'s ``outputs`` on ``feeds``. On a CUDA session the outputs stay on its device
+    (bound there; ``run_with_ort_values`` would copy each to the host, and torch back again),
+    except bool outputs, which come to the host (see :func:`_to_torch`)."""
+    device = _session_device(session)
+    if device is None:
+        return session.run_with_ort_values(outputs, feeds, run_options)
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_ortvalue_input(name, value)
+    bools = _bool_outputs(session)
+    for name in outputs:
+        if name in bools:
+            binding.bind_output(name, "cpu")
+        else:
+            binding.bind_output(name, "cuda", device)
+    session.run_with_iobinding(binding, run_options)
+    binding.synchronize_outputs()
+    return binding.get_outputs()
+
+
+def _session_device(session: ort.InferenceSession) -> int | None:
+    """The CUDA device a session computes on (its first provider is CUDA's), else None."""
+    cached = getattr(session, "_gradgraph_device", False)
+    if cached is not False:
+        return cached
+    device = None
+    if session.get_providers()[:1] == ["CUDAExecutionProvider"]:
+        options = session.get_provider_options().get("CUDAExecutionProvider", {})
+        device = int(options.get("device_id", 0))
+    session._gradgraph_device = device  # type: ignore[attr-defined]
+    return device
+
+
+def _bool_outputs(session: ort.InferenceSession) -> set[str]:
+    cached = getattr(session, "_gradgraph_bools", None)
+    if cached is None:
+        cached = {o.name for o in session.get_outputs() if o.type == "tensor(bool)"}
+        session._gradgraph_bools = cached  # type: ignore[attr-defined]
+    return cached
+
+
 class GraphRunner:
     """Forward and backward onnxruntime sessions of one model whose inputs are all fed by the caller.
 
@@ -336,8 +379,8 @@ class GraphRunner:
             self.bwd_outputs = [o.name for o in self.backward.get_outputs()]
 
     def run_forward(self, values: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
-        outs = self.forward.run_with_ort_values(
-            self.fwd_outputs, {k: v for k, v in values.items() if k in self.fwd_inputs}, self.run_options)
+        outs = _run_session(self.forward, self.fwd_outputs,
+                            {k: v for k, v in values.items() if k in self.fwd_inputs}, self.run_options)
         return dict(zip(self.fwd_outputs, outs))
 
     def backward_reads(self) -> list[str]:
@@ -354,8 +397,7 @@ class GraphRunner:
         for name in self.bwd_inputs:
             if name not in feeds:
                 feeds[name] = kept[name] if name in kept else values[name]
-        outs = dict(zip(self.bwd_outputs,
-                        self.backward.run_with_ort_values(self.bwd_outputs, feeds, self.run_options)))
+        outs = dict(zip(self.bwd_outputs, _run_session(self.backward, self.bwd_outputs, feeds, self.run_options)))
         return {x: outs[g] for x, g in self.grad_names.items()}
 
 
