@@ -532,6 +532,29 @@ def test_values_that_do_not_reach_an_output_get_none_gradients_as_in_torch():
     assert mine.module.pick.grad is None and ref.pick.grad is None
 
 
+class Rounded(torch.nn.Module):
+    """``step`` reaches the output through round / floor / sign only: torch's gradient is zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.step = torch.nn.Parameter(torch.tensor([1.3, -0.6, 2.2]))
+
+    def forward(self, x):
+        return self.lin(x) * (torch.round(self.step) + torch.floor(self.step) + torch.sign(self.step))
+
+
+def test_a_value_behind_round_floor_or_sign_gets_torch_zero_gradient_not_none():
+    torch.manual_seed(0)
+    ref, mine = _pair(Rounded())
+    x = torch.randn(2, 4)
+    for module in (ref, mine):
+        (module(x) * torch.arange(6.0).reshape(2, 3)).sum().backward()
+    assert ref.step.grad is not None and not ref.step.grad.any()
+    assert mine.module.step.grad is not None, "None where torch gives zeros"
+    _grads_equal(ref, mine.module)
+
+
 def test_outputs_that_no_trained_value_reaches_do_not_require_grad():
     class Argmax(torch.nn.Module):
         def forward(self, x, y):

@@ -104,6 +104,11 @@ def is_quantized(value: ir.Value) -> bool:
     return producer is not None and producer.op_type == "QuantizeLinear" and producer.domain in ("", "ai.onnx")
 
 
+# Ops with a float output whose derivative is zero almost everywhere (in rules/nondiff.py):
+# PyTorch gives their inputs zero gradients, not None.
+ZERO_DERIVATIVE_OPS = frozenset({"Round", "Floor", "Ceil", "Sign"})
+
+
 def _is_diff_edge(rule: GradRule | None, index: int, value: ir.Value) -> bool:
     if is_quantized(value):  # only into DequantizeLinear's quantized input
         return rule is not None and rule.op_type == "DequantizeLinear" and index == 0
@@ -224,17 +229,18 @@ class GradientSweep:
             return f"{producer.inputs[0].name!r} (scaled for mixed precision as {self.loss.name!r})"
         return repr(self.loss.name)
 
-    def _blocked_at(self, weight: ir.Value) -> str:
+    def _blocking(self, weight: ir.Value) -> list[tuple[ir.Node, int]]:
         """Where ``weight`` (which has no differentiable path to the loss) meets a
-        non-differentiable input on its way there, e.g. "input 2 (max) of Clip node 'clip'";
-        "" when the loss does not depend on it at all."""
+        non-differentiable input on its ways there: (node, input index) pairs in graph order;
+        [] when the loss does not depend on it at all."""
         toward: set[int] = {id(self.loss)}
         for node in reversed(list(self.graph)):
             if any(id(o) in toward for o in node.outputs):
                 toward.update(id(v) for _, v in _edges(node))
         if id(weight) not in toward:
-            return ""
+            return []
         forward = {id(weight)}
+        found = []
         for node in self.graph:
             rule = self._rules[id(node)]
             for i, v in _edges(node):
@@ -243,8 +249,17 @@ class GradientSweep:
                 if _is_diff_edge(rule, i, v):
                     forward.update(id(o) for o in node.outputs if is_float(o) or is_quantized(o))
                 elif any(id(o) in toward for o in node.outputs):
-                    return f"{self._input_text(node, i)} of {node.op_type} node {node.name!r}"
-        return ""
+                    found.append((node, i))
+        return found
+
+    def _blocked_at(self, weight: ir.Value) -> str:
+        """The first place :meth:`_blocking` finds, e.g. "input 2 (max) of Clip node 'clip'";
+        "" when the loss does not depend on ``weight`` at all."""
+        found = self._blocking(weight)
+        if not found:
+            return ""
+        node, index = found[0]
+        return f"{self._input_text(node, index)} of {node.op_type} node {node.name!r}"
 
     def _input_text(self, node: ir.Node, index: int) -> str:
         if index >= len(node.inputs):
@@ -305,7 +320,11 @@ class GradientSweep:
                                     f"{self._loss_text()}; name the weights to train explicitly")
         unused = [w for w in self.weights if id(w) not in needs]
         if self.options.omit_unused:
-            self.weights = [w for w in self.weights if id(w) in needs]
+            # PyTorch's convention: a zero gradient where a way to the loss runs through an op
+            # whose derivative is zero (round, floor, ceil, sign), None where no way carries one
+            zero = {id(w) for w in unused
+                    if any(n.op_type in ZERO_DERIVATIVE_OPS for n, _ in self._blocking(w))}
+            self.weights = [w for w in self.weights if id(w) in needs or id(w) in zero]
             unused = []
         if unused and not self.options.allow_unused:
             w = unused[0]
@@ -480,39 +499,6 @@ class GraphGradient(GradientSweep):
         self.weights = list(wrt)
         self._seeds = [(value, grad) for value, grad in seeds if grad is not None]
         self._rules = {id(n): lookup(n.domain, n.op_type, self._opset_of(n)) for n in graph}
-
-    def _blocked_at(self, weight: ir.Value) -> str:
-        """Where ``weight`` (which has no differentiable path to the loss) meets a
-        non-differentiable input on its way there, e.g. "input 2 (max) of Clip node 'clip'";
-        "" when the loss does not depend on it at all."""
-        toward: set[int] = {id(self.loss)}
-        for node in reversed(list(self.graph)):
-            if any(id(o) in toward for o in node.outputs):
-                toward.update(id(v) for _, v in _edges(node))
-        if id(weight) not in toward:
-            return ""
-        forward = {id(weight)}
-        for node in self.graph:
-            rule = self._rules[id(node)]
-            for i, v in _edges(node):
-                if id(v) not in forward:
-                    continue
-                if _is_diff_edge(rule, i, v):
-                    forward.update(id(o) for o in node.outputs if is_float(o) or is_quantized(o))
-                elif any(id(o) in toward for o in node.outputs):
-                    return f"{self._input_text(node, i)} of {node.op_type} node {node.name!r}"
-        return ""
-
-    def _input_text(self, node: ir.Node, index: int) -> str:
-        if index >= len(node.inputs):
-            return "a value its subgraph reads"
-        try:
-            domain = "" if node.domain == "ai.onnx" else node.domain
-            schema = onnx.defs.get_schema(node.op_type, self._opset_of(node), domain)
-            formal = schema.inputs[min(index, len(schema.inputs) - 1)].name
-        except (onnx.defs.SchemaError, IndexError):
-            return f"input {index}"
-        return f"input {index} ({formal})"
 
     def _seed_targets(self) -> list[ir.Value]:
         return [value for value, _ in self._seeds]
