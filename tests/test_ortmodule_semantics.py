@@ -783,3 +783,71 @@ def test_names_of_ortmodule_itself_are_set_on_ortmodule():
     assert "forward" in mine.__dict__ and "forward" not in inner.__dict__
     mine.tag = "set through ORTModule"
     assert inner.tag == "set through ORTModule" and "tag" not in mine.__dict__
+
+
+class Counter(torch.nn.Module):
+    """Counts its calls in a plain attribute; ``broken`` adds an output no exporter takes."""
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+        self.calls = 0
+        self.broken = broken
+
+    def forward(self, x):
+        self.calls += 1
+        return (self.lin(x), "a str") if self.broken else self.lin(x)
+
+
+def test_an_attribute_the_forward_changes_on_every_call_is_named_once_and_not_rebuilt():
+    # it exported and built again on every call (and, falling back, warned on every call)
+    torch.manual_seed(0)
+    ref, mine = _pair(Counter())
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            _close(mine(x), ref(x))
+    named = [w for w in caught if "'calls'" in str(w.message)]
+    assert len(named) == 1 and "a counter stops counting" in str(named[0].message)
+    assert mine._builds == 1, "built once"
+    mine.module.lin.bias.data.add_(1.0)  # still the live parameters
+    ref.lin.bias.data.add_(1.0)
+    _close(mine(x), ref(x))
+
+    broken = ORTModule(Counter(broken=True), fallback="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            out, text = broken(x)
+    assert text == "a str" and broken.module.calls >= 4  # PyTorch ran every call
+    assert sum("runs in PyTorch" in str(w.message) for w in caught) == 1
+    assert not any("'calls'" in str(w.message) for w in caught)  # in PyTorch it counts
+    assert broken._builds == 1, "exported once, not on every call"
+
+
+def test_hooks_added_after_a_build_are_seen():
+    torch.manual_seed(0)
+    ref, mine = _pair(Affine(), fallback="warn")
+    x = torch.randn(3, 4)
+    _close(mine(x), ref(x))
+    for module in (ref, mine.module):  # after the build: a new signature, exported with the hook
+        module.lin.register_forward_hook(lambda mod, args, out: out * 3)
+    with pytest.warns(UserWarning, match="forward hooks on lin"):
+        _close(mine(x), ref(x), "with the hook")
+
+
+def test_tuple_attributes_are_in_the_signature():
+    class Pool(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pool = torch.nn.AvgPool1d(2)
+
+        def forward(self, x):
+            return self.pool(x)
+
+    ref, mine = _pair(Pool())
+    x = torch.randn(1, 2, 8)
+    _close(mine(x), ref(x))
+    mine.module.pool.kernel_size = ref.pool.kernel_size = (4,)  # a tuple, changed after the build
+    _close(mine(x), ref(x), "after kernel_size = (4,)")

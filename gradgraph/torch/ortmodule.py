@@ -76,6 +76,8 @@ logger = logging.getLogger("gradgraph.torch")
 
 # a warning when a module has been built for this many call signatures
 MANY_SIGNATURES = 16
+# the most signatures whose graphs (and sessions) a module keeps; older ones are built again
+MAX_ENGINES = 32
 
 
 class OutputMismatch(RuntimeError):
@@ -459,23 +461,61 @@ def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 _PLAIN = frozenset({bool, int, float, str, type(None)})
 
 
+# a module's hook dictionaries (a hook added after a build changes the signature)
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _is_plain(value: Any) -> bool:
+    """A value the signature holds: bool/int/float/str/None, or a tuple or list of them
+    (a kernel size, a list of layer indices)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return True
+    return (kind is tuple or kind is list) and len(value) <= 16 and all(type(v) in _PLAIN for v in value)
+
+
+def _plain_attrs(module: torch.nn.Module, skip: dict[int, frozenset[str]]) -> tuple:
+    """Every submodule's plain attributes (:func:`_is_plain`; lists as tuples), less ``skip``'s
+    (by ``id`` of the submodule)."""
+    return tuple(tuple((k, tuple(v) if type(v) is list else v) for k, v in vars(m).items()
+                       if k not in skip.get(id(m), ()) and _is_plain(v))
+                 for m in module.modules())
+
+
 def _signature(training: bool, in_spec: Any, leaves: list, module: torch.nn.Module,
-               named: dict[str, torch.Tensor]) -> tuple:
+               named: dict[str, torch.Tensor], skip: dict[int, frozenset[str]] | None = None) -> tuple:
     """What a built graph depends on: the call's structure (which argument, keyword or dict key
     holds which tensor, where the non-tensor values are and what they are), each tensor's shape,
-    dtype, requires_grad and device, every submodule's plain attributes (train/eval among them),
-    the module's parameters and buffers (their paths, shapes, dtypes, devices, and which
-    parameters require grad), and torch.autocast's state."""
+    dtype, requires_grad and device, every submodule's plain attributes (train/eval among them;
+    less ``skip``'s, those the forward itself changes on every call), the module's parameters
+    and buffers (their paths, shapes, dtypes, devices, and which parameters require grad), its
+    hooks (how many of each kind) and torch.autocast's state."""
     call = tuple((tuple(x.shape), x.dtype, x.requires_grad, x.device) if isinstance(x, torch.Tensor)
                  else ("const", type(x).__name__, repr(x)) for x in leaves)
     # each submodule's plain Python attributes (train/eval, Dropout's p, a flag its forward
     # reads): the export bakes them into the graph
-    modes = tuple(tuple(kv for kv in vars(m).items() if type(kv[1]) in _PLAIN) for m in module.modules())
+    modes = _plain_attrs(module, skip or {})
     weights = tuple((n, tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter) and t.requires_grad,
                      t.device) for n, t in named.items())
     # torch.autocast changes the exported dtypes
     autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-    return (training, in_spec, call, modes, weights, autocast)
+    hooks = tuple(len(getattr(m, h, ())) for m in module.modules() for h in _HOOK_DICTS)
+    return (training, in_spec, call, modes, weights, autocast, hooks)
+
+
+def _changed_attrs(module: torch.nn.Module, before: dict[tuple[int, str], tuple[str, Any]]
+                   ) -> dict[tuple[int, str], tuple[str, Any, Any]]:
+    """Plain attributes whose value differs from ``before`` (as :func:`_attr_state` took it):
+    (id of the submodule, name) -> (path, old, new)."""
+    now = _attr_state(module)
+    return {k: (path, before[k][1] if k in before else None, value)
+            for k, (path, value) in now.items() if k not in before or before[k][1] != value}
+
+
+def _attr_state(module: torch.nn.Module) -> dict[tuple[int, str], tuple[str, Any]]:
+    """(id of the submodule, name) -> (dotted path, value) of every plain attribute."""
+    return {(id(m), k): (f"{path}.{k}" if path else k, v) for path, m in module.named_modules()
+            for k, v in vars(m).items() if _is_plain(v)}
 
 
 def device_rewrites(device: torch.device | str) -> list:
@@ -554,6 +594,8 @@ class _Engine:
         grad_inputs = [n for n, t in zip(self.input_names, tensor_inputs)
                        if t.requires_grad and t.is_floating_point()]
         self.first_run = True  # ORTModule._first_run checks it against PyTorch
+        # plain attributes the forward set while exporting (warned about after the first run)
+        self.changed_attrs: dict[tuple[int, str], tuple[str, Any, Any]] = {}
         self.runner = GraphRunner(model, self.input_names + list(self.weights), grad_inputs + grad_weights,
                                   self.user_outputs, training=training,
                                   make_session=lambda m: _session(m, owner._threads, debug.ort_severity,
@@ -671,7 +713,14 @@ class ORTModule(torch.nn.Module):
         self._threads = threads
         self._engines: dict[Any, _Engine | None] = {}  # None: this signature runs in PyTorch
         self._builds = 0  # signatures built so far (a warning when they keep coming)
+        # plain attributes the forward itself changes on every call (a call counter), left out
+        # of the signature: (id of the submodule) -> names
+        self._skip: dict[int, frozenset[str]] = {}
+        # the attributes the last build's forward changed, and that build's signature without them
+        self._last_changed: dict[tuple[int, str], tuple[str, Any, Any]] = {}
+        self._last_steady: Any = None
         self._hook_warned: set[str] = set()  # submodules whose forward hooks were warned about
+        self._attr_warned: set[str] = set()  # attributes set by the forward, warned about
         self._initialized = True  # from here on, new attributes go to the wrapped module
 
     def __getattr__(self, name: str) -> Any:
@@ -693,7 +742,10 @@ class ORTModule(torch.nn.Module):
             super().__setattr__(name, value)
             return
         setattr(self.module, name, value)
-        self._engines.clear()
+        if not (_is_plain(value) or isinstance(value, torch.Tensor)):
+            # a plain value is in the signature and a tensor is read on every call; a module or
+            # anything else may change what the forward computes
+            self._engines.clear()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -709,14 +761,30 @@ class ORTModule(torch.nn.Module):
         training = torch.is_grad_enabled() and (
             any(t.requires_grad for t in named.values() if isinstance(t, torch.nn.Parameter))
             or any(t.requires_grad for t in tensors))
-        key = _signature(training, in_spec, leaves, self.module, named)
+        key = _signature(training, in_spec, leaves, self.module, named, self._skip)
+        if key not in self._engines and self._last_changed:
+            key = self._changed_by_forward(key, training, in_spec, leaves, named)
         if key not in self._engines:
-            self._engines[key] = self._build(key, args, kwargs, tensors, training)
+            state = _attr_state(self.module)
+            engine = self._build(key, args, kwargs, tensors, training)
+            self._engines[key] = engine
             self._builds += 1
             # a forward that sets a plain attribute on its first run (a lazily built cache's
             # length, a warned-once flag): the graph was exported in the state it left
-            after = _signature(training, in_spec, leaves, self.module, _named_tensors(self.module))
-            self._engines.setdefault(after, self._engines[key])
+            named_after = _named_tensors(self.module)
+            self._engines.setdefault(_signature(training, in_spec, leaves, self.module, named_after, self._skip),
+                                     engine)
+            # one that changes it on every call (a counter) would export again on every call:
+            # the next call whose signature differs by these attributes alone leaves them out
+            self._last_changed = _changed_attrs(self.module, state)
+            self._last_steady = None
+            if self._last_changed:
+                self._last_steady = _signature(training, in_spec, leaves, self.module, named_after,
+                                               self._skip_with(self._last_changed))
+                self._engines.setdefault(self._last_steady, engine)
+            if engine is not None:
+                engine.changed_attrs = self._last_changed
+            self._evict()
             if self._builds == MANY_SIGNATURES:
                 warnings.warn(
                     f"ORTModule: {type(self.module).__name__} has been exported for {self._builds} "
@@ -729,6 +797,33 @@ class ORTModule(torch.nn.Module):
         if engine.first_run:
             return self._first_run(engine, args, kwargs, tensors, named, training)
         return self._run(engine, tensors, named, training)
+
+    def _skip_with(self, changed: dict[tuple[int, str], Any]) -> dict[int, frozenset[str]]:
+        skip = dict(self._skip)
+        for module_id, name in changed:
+            skip[module_id] = skip.get(module_id, frozenset()) | {name}
+        return skip
+
+    def _changed_by_forward(self, key: Any, training: bool, in_spec: Any, leaves: list,
+                            named: dict[str, torch.Tensor]) -> Any:
+        """``key`` missed: when it differs from the last build's signature only by attributes
+        that build's forward changed, the forward changes them on every call (a signature that
+        runs in PyTorch runs the forward each time). They leave the signature and the last
+        build's graphs (or its fallback) serve the call."""
+        skip = self._skip_with(self._last_changed)
+        steady = _signature(training, in_spec, leaves, self.module, named, skip)
+        if steady != self._last_steady:
+            return key
+        self._skip = skip
+        self._last_changed = {}
+        return steady
+
+    def _evict(self) -> None:
+        """At most MAX_ENGINES signatures' graphs are kept: the oldest go first."""
+        order = list(dict.fromkeys(id(e) for e in self._engines.values() if e is not None))
+        for oldest in order[:max(0, len(order) - MAX_ENGINES)]:
+            for k in [k for k, e in self._engines.items() if id(e) == oldest]:
+                del self._engines[k]
 
     def _run(self, engine: _Engine, tensors: list[torch.Tensor], named: dict[str, torch.Tensor],
              training: bool) -> Any:
@@ -770,7 +865,21 @@ class ORTModule(torch.nn.Module):
                 self._engines[k] = None  # under its signatures before and after the build
             return self.module(*args, **kwargs)
         engine.first_run = False
+        self._warn_changed_attrs(engine.changed_attrs)
         return result
+
+    def _warn_changed_attrs(self, changed: dict[tuple[int, str], tuple[str, Any, Any]]) -> None:
+        """Once per attribute: the forward changed it while exporting, and the graph's calls
+        do not run the forward's Python code."""
+        new = [(path, old, value) for path, old, value in changed.values() if path not in self._attr_warned]
+        if not new:
+            return
+        self._attr_warned.update(path for path, _, _ in new)
+        shown = ", ".join(f"{path!r} ({old!r} -> {value!r})" for path, old, value in new[:5])
+        warnings.warn(f"ORTModule: the forward of {type(self.module).__name__} set {shown} while "
+                      "exporting; the graph was exported in that state, and its calls run the graph, "
+                      "not the forward's Python code, so they do not change these attributes (a counter "
+                      "stops counting)", UserWarning, stacklevel=6)
 
     def __getstate__(self) -> dict:
         # onnxruntime sessions do not pickle: a copy (copy.deepcopy, torch.save) rebuilds its
