@@ -422,17 +422,26 @@ class Loss(torch.nn.Module):
     (True, {}, 0),
     (True, {"label_smoothing": 0.1, "weight": torch.tensor([0.5, 2.0, 1.0]), "reduction": "sum"}, 6),
     (True, {"reduction": "none"}, 6),
+    (True, {"weight": torch.tensor([0.5, 2.0, 1.0])}, 0),
+    (False, {"label_smoothing": 0.2, "reduction": "sum"}, 0),
+    # unbatched: one position, a class index or a class distribution (ONNX's losses take [N, C])
+    (False, {}, -1),
+    (False, {"label_smoothing": 0.1}, -1),
+    (False, {"label_smoothing": 0.1, "reduction": "none"}, -1),
+    (True, {"label_smoothing": 0.2}, -1),
 ])
 def test_cross_entropy_with_label_smoothing_or_probability_targets_runs_in_onnxruntime(soft, options, positions):
     # torchlib writes every cross_entropy as SoftmaxCrossEntropyLoss: label_smoothing was
     # dropped (the signature fell back) and probability targets made an invalid model
     torch.manual_seed(0)
     ref, mine = _pair(Loss(**options))  # fallback="raise": no fallback
-    x = torch.randn(5, positions, 4) if positions else torch.randn(5, 4)
+    batch: tuple[int, ...] = () if positions < 0 else (5,)
+    x = torch.randn(*batch, positions, 4) if positions > 0 else torch.randn(*batch, 4)
     if soft:
-        t = torch.softmax(torch.randn(5, 3, positions) if positions else torch.randn(5, 3), 1)
+        t = torch.softmax(torch.randn(*batch, 3, positions) if positions > 0 else torch.randn(*batch, 3), -1 if
+                          positions < 0 else 1)
     else:
-        t = torch.randint(0, 3, (5, positions) if positions else (5,))
+        t = torch.randint(0, 3, (5, positions) if positions > 0 else batch)
     got, want = mine(x, t), ref(x, t)
     _close(got, want)
     (got * torch.linspace(1, 2, got.numel()).reshape(got.shape)).sum().backward()
@@ -656,8 +665,13 @@ def test_autocast_is_part_of_the_signature():
             got = mine(x)
     assert got.dtype == want.dtype == torch.bfloat16
     np.testing.assert_allclose(got.float().detach().numpy(), want.float().detach().numpy(), rtol=1e-2, atol=1e-2)
-    # the bfloat16 graph needs kernels onnxruntime's CPU provider lacks: that is the warning
-    assert all("autocast" in str(w.message) for w in caught if "ORTModule" in str(w.message))
+    # the bfloat16 graph needs kernels onnxruntime's CPU provider lacks: then it runs in PyTorch
+    # and the one warning says autocast is why; else it ran in onnxruntime without a warning
+    ours = [str(w.message) for w in caught if "ORTModule" in str(w.message)]
+    if None in mine._engines.values():
+        assert len(ours) == 1 and "autocast is on" in ours[0], ours
+    else:
+        assert not ours, ours
     assert len(mine._engines) == 2
     _close(mine(x), ref(x), "after autocast: the float32 graph again")
     assert len(mine._engines) == 2

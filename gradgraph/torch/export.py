@@ -240,11 +240,18 @@ def cross_entropy_translation() -> dict:
                       label_smoothing: float = 0.0):
         reduce_name = {0: "none", 1: "mean", 2: "sum"}[reduction]
         soft = target.dtype is not None and target.dtype.is_floating_point()
-        if not soft and not label_smoothing:  # what torchlib writes: torch's result
-            loss, _ = op.SoftmaxCrossEntropyLoss(self, target, weight, reduction=reduce_name,
-                                                 ignore_index=ignore_index)
-            return loss
         rank = len(self.shape) if self.shape is not None else 2
+        first = op.Constant(value_ints=[0])
+
+        def batched(loss_op, scores, labels):  # ONNX's losses take [N, C]: an unbatched call gets N = 1
+            if rank != 1:
+                return loss_op(scores, labels)
+            loss = loss_op(op.Unsqueeze(scores, first), op.Unsqueeze(labels, first))
+            return op.Squeeze(loss, first) if reduction == 0 else loss
+
+        if not soft and not label_smoothing:  # what torchlib writes: torch's result
+            return batched(lambda x, t: op.SoftmaxCrossEntropyLoss(
+                x, t, weight, reduction=reduce_name, ignore_index=ignore_index)[0], self, target)
         axis = 0 if rank == 1 else 1
         axes = op.Constant(value_ints=[axis])
         logp = op.LogSoftmax(self, axis=axis)
@@ -265,8 +272,8 @@ def cross_entropy_translation() -> dict:
                 return total
             return op.Div(total, op.Div(op.CastLike(op.Size(self), self), classes))
         # class indices with label smoothing: (1 - e) nll + e / C * smooth (torch's formula)
-        nll = op.NegativeLogLikelihoodLoss(logp, target, weight, reduction=reduce_name,
-                                           ignore_index=ignore_index)
+        nll = batched(lambda x, t: op.NegativeLogLikelihoodLoss(
+            x, t, weight, reduction=reduce_name, ignore_index=ignore_index), logp, target)
         ignored = op.Equal(target, op.CastLike(op.Constant(value_int=ignore_index), target))
         zero = scalar(0.0, self)
         smooth = op.Where(ignored, zero, op.Neg(op.ReduceSum(weighted, axes, keepdims=0)))
