@@ -411,3 +411,12 @@ def test_one_hot_float64_values():
     # onnxruntime has no float64 OneHot: the reference evaluator runs it
     got = ReferenceEvaluator(grad_model).run([f"values{fdcheck.GRAD_SUFFIX}"], {"values": np.array([0.5, 2.0])})[0]
     np.testing.assert_allclose(got, [36.0 - 0 - 5 - 7, 0 + 5 + 7])  # r = 0..8; hot at r[0], r[5], r[7]
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_gather_with_int32_indices(axis):
+    """int32 indices, negative and repeated: the rule's index arithmetic and ScatterND are int64
+    (an int32 index met an int64 size in an Add: an invalid gradient graph)."""
+    idx = np.array([[0, -1], [2, 0]], np.int32)
+    model, feeds = make_model("Gather", {"x": (3, 4)}, {"axis": axis}, consts={"idx": idx})
+    assert_fd(model, feeds, ["x"])

@@ -176,6 +176,7 @@ def _gather(b, n, g):
     axis = axis + rank if axis < 0 else axis
     go = g[0]
     size = b.dim(x, axis)
+    idx = b.cast_to(idx, ir.DataType.INT64)  # int32 indices: ScatterND and the size are int64
     idx = b.Where(b.Less(idx, 0), idx + b.Reshape(size, []), idx)
     padding = n.node.metadata_props.get(PADDING_IDX_KEY)
     if padding is not None and axis == 0:  # torch's embedding padding_idx: that row gets no gradient
