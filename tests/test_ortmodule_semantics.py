@@ -867,3 +867,66 @@ def test_tuple_attributes_are_in_the_signature():
     _close(mine(x), ref(x))
     mine.module.pool.kernel_size = ref.pool.kernel_size = (4,)  # a tuple, changed after the build
     _close(mine(x), ref(x), "after kernel_size = (4,)")
+
+
+class Masked(torch.nn.Module):
+    """A plain tensor attribute (no buffer: the export bakes it in) and a lazily set scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.mask = torch.ones(4)
+        self.scale = None
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.scale is None:
+            self.scale = 2.0
+        return self.lin(x) * self.mask * self.scale
+
+
+def test_tensor_attributes_and_user_changes_of_forward_set_attributes_rebuild():
+    torch.manual_seed(0)
+    ref, mine = _pair(Masked())
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the forward sets calls and scale while exporting
+        _close(mine(x), ref(x))
+        mine.mask = torch.zeros(4) + 0.5  # through ORTModule: a new tensor, baked in again
+        ref.mask = torch.zeros(4) + 0.5
+        _close(mine(x), ref(x), "after assigning mask")
+        mine.module.mask.mul_(3.0)  # in place: its version changes
+        ref.mask.mul_(3.0)
+        _close(mine(x), ref(x), "after mask *= 3")
+        mine.module.scale = ref.scale = 3.0  # the forward set it once; the user's value counts
+        _close(mine(x), ref(x), "after scale = 3")
+
+
+def test_train_eval_switches_with_a_counting_forward_build_each_mode_once():
+    torch.manual_seed(0)
+    ref, mine = _pair(Counter())
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            for mode in (True, False):
+                mine.train(mode)
+                ref.train(mode)
+                _close(mine(x), ref(x))
+    assert mine._builds == 2, f"{mine._builds} builds for two modes"
+
+
+def test_replacing_a_hook_by_another_is_seen():
+    torch.manual_seed(0)
+    ref, mine = _pair(Affine(), fallback="warn")
+    x = torch.randn(3, 4)
+    handles = [m.lin.register_forward_hook(lambda mod, args, out: out * 2) for m in (ref, mine.module)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # forward hooks on submodules: warned
+        _close(mine(x), ref(x))
+        for h in handles:
+            h.remove()
+        for m in (ref, mine.module):  # as many hooks as before, another one
+            m.lin.register_forward_hook(lambda mod, args, out: out - 1)
+        _close(mine(x), ref(x), "after replacing the hook")

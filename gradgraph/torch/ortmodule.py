@@ -44,6 +44,7 @@ import enum
 import logging
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -461,61 +462,105 @@ def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 _PLAIN = frozenset({bool, int, float, str, type(None)})
 
 
-# a module's hook dictionaries (a hook added after a build changes the signature)
+# a module's hook dictionaries (a hook added or removed after a build changes the signature)
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_NOT_HELD = object()
+
+
+def _attr_key(value: Any) -> Any:
+    """What the signature holds of an attribute's value: a plain value (bool/int/float/str/None,
+    a short tuple or list of them, lists as tuples); a tensor attribute that is no parameter or
+    buffer (the export bakes it in as a constant) by its identity and version; else
+    ``_NOT_HELD``."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if (kind is tuple or kind is list) and len(value) <= 16 and all(type(v) in _PLAIN for v in value):
+        return ("sequence", tuple(value))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    return _NOT_HELD
 
 
 def _is_plain(value: Any) -> bool:
-    """A value the signature holds: bool/int/float/str/None, or a tuple or list of them
-    (a kernel size, a list of layer indices)."""
-    kind = type(value)
-    if kind in _PLAIN:
-        return True
-    return (kind is tuple or kind is list) and len(value) <= 16 and all(type(v) in _PLAIN for v in value)
+    """Is ``value`` a plain value (:func:`_attr_key`)?"""
+    return _attr_key(value) is not _NOT_HELD and not isinstance(value, torch.Tensor)
 
 
 def _plain_attrs(module: torch.nn.Module, skip: dict[int, frozenset[str]]) -> tuple:
-    """Every submodule's plain attributes (:func:`_is_plain`; lists as tuples), less ``skip``'s
-    (by ``id`` of the submodule)."""
-    return tuple(tuple((k, tuple(v) if type(v) is list else v) for k, v in vars(m).items()
-                       if k not in skip.get(id(m), ()) and _is_plain(v))
-                 for m in module.modules())
+    """Every submodule's attributes as :func:`_attr_key` holds them, less ``skip``'s (by ``id``
+    of the submodule), and the handles of its hooks. Run on every call: kept fast."""
+    held = []
+    for m in module.modules():
+        skipped = skip.get(id(m))
+        items: list[Any] = []
+        for k, v in vars(m).items():
+            kind = type(v)
+            if kind in _PLAIN:
+                key = v
+            elif kind is dict or kind is OrderedDict:  # _parameters, _modules, hook dicts, ...
+                continue
+            else:
+                key = _attr_key(v)
+                if key is _NOT_HELD:
+                    continue
+            if skipped is None or k not in skipped:
+                items.append((k, key))
+        items.append(tuple(tuple(getattr(m, h, {}).keys()) for h in _HOOK_DICTS))
+        held.append(tuple(items))
+    return tuple(held)
+
+
+def _global_hooks() -> tuple:
+    """The handles of torch's global module hooks."""
+    from torch.nn.modules import module as torch_module
+
+    return tuple(tuple(getattr(torch_module, f"_global{h}", {}).keys()) for h in _HOOK_DICTS)
 
 
 def _signature(training: bool, in_spec: Any, leaves: list, module: torch.nn.Module,
                named: dict[str, torch.Tensor], skip: dict[int, frozenset[str]] | None = None) -> tuple:
     """What a built graph depends on: the call's structure (which argument, keyword or dict key
     holds which tensor, where the non-tensor values are and what they are), each tensor's shape,
-    dtype, requires_grad and device, every submodule's plain attributes (train/eval among them;
-    less ``skip``'s, those the forward itself changes on every call), the module's parameters
-    and buffers (their paths, shapes, dtypes, devices, and which parameters require grad), its
-    hooks (how many of each kind) and torch.autocast's state."""
+    dtype, requires_grad and device, every submodule's plain and tensor attributes (train/eval
+    among them; less ``skip``'s, those only the forward changes), the module's parameters and
+    buffers (their paths, shapes, dtypes, devices, and which parameters require grad), its
+    hooks, torch.autocast's state and whether torch allows TF32 products."""
     call = tuple((tuple(x.shape), x.dtype, x.requires_grad, x.device) if isinstance(x, torch.Tensor)
                  else ("const", type(x).__name__, repr(x)) for x in leaves)
     # each submodule's plain Python attributes (train/eval, Dropout's p, a flag its forward
-    # reads): the export bakes them into the graph
+    # reads) and tensor attributes: the export bakes them into the graph; and its hooks
     modes = _plain_attrs(module, skip or {})
     weights = tuple((n, tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter) and t.requires_grad,
                      t.device) for n, t in named.items())
-    # torch.autocast changes the exported dtypes
-    autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-    hooks = tuple(len(getattr(m, h, ())) for m in module.modules() for h in _HOOK_DICTS)
-    return (training, in_spec, call, modes, weights, autocast, hooks)
+    # torch.autocast changes the exported dtypes; TF32 the CUDA sessions' options
+    autocast = (tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
+                torch.backends.cuda.matmul.allow_tf32)
+    return (training, in_spec, call, modes, weights, autocast, _global_hooks())
 
 
-def _changed_attrs(module: torch.nn.Module, before: dict[tuple[int, str], tuple[str, Any]]
-                   ) -> dict[tuple[int, str], tuple[str, Any, Any]]:
-    """Plain attributes whose value differs from ``before`` (as :func:`_attr_state` took it):
-    (id of the submodule, name) -> (path, old, new)."""
-    now = _attr_state(module)
-    return {k: (path, before[k][1] if k in before else None, value)
-            for k, (path, value) in now.items() if k not in before or before[k][1] != value}
+# an attribute: (id of its submodule, name) -> (dotted path, key (:func:`_attr_key`), submodule)
+_AttrState = dict[tuple[int, str], tuple[str, Any, torch.nn.Module]]
 
 
-def _attr_state(module: torch.nn.Module) -> dict[tuple[int, str], tuple[str, Any]]:
-    """(id of the submodule, name) -> (dotted path, value) of every plain attribute."""
-    return {(id(m), k): (f"{path}.{k}" if path else k, v) for path, m in module.named_modules()
-            for k, v in vars(m).items() if _is_plain(v)}
+def _shown(key: Any) -> str:
+    """An attribute's :func:`_attr_key` for a message."""
+    if isinstance(key, tuple) and key[:1] == ("tensor",):
+        return "a tensor"
+    if isinstance(key, tuple) and key[:1] == ("sequence",):
+        return repr(key[1])
+    return repr(key)
+
+
+def _attr_state(module: torch.nn.Module) -> _AttrState:
+    """Every attribute the signature holds, with its path and key."""
+    return {(id(m), k): (f"{path}.{k}" if path else k, key, m) for path, m in module.named_modules()
+            for k, v in vars(m).items() if (key := _attr_key(v)) is not _NOT_HELD}
+
+
+def _changed_attrs(module: torch.nn.Module, before: _AttrState) -> _AttrState:
+    """The attributes whose key differs from ``before``'s (or that are new), as they are now."""
+    return {k: entry for k, entry in _attr_state(module).items() if k not in before or before[k][1] != entry[1]}
 
 
 def device_rewrites(device: torch.device | str) -> list:
@@ -713,12 +758,12 @@ class ORTModule(torch.nn.Module):
         self._threads = threads
         self._engines: dict[Any, _Engine | None] = {}  # None: this signature runs in PyTorch
         self._builds = 0  # signatures built so far (a warning when they keep coming)
-        # plain attributes the forward itself changes on every call (a call counter), left out
-        # of the signature: (id of the submodule) -> names
+        # attributes our forward runs changed and that still hold the value they left (a call
+        # counter, a cache length): left out of the signature, (id of the submodule) -> names
+        self._owned: _AttrState = {}
         self._skip: dict[int, frozenset[str]] = {}
-        # the attributes the last build's forward changed, and that build's signature without them
-        self._last_changed: dict[tuple[int, str], tuple[str, Any, Any]] = {}
-        self._last_steady: Any = None
+        self._tick = 0  # calls so far; _used: the last call of each engine (by id), for eviction
+        self._used: dict[int, int] = {}
         self._hook_warned: set[str] = set()  # submodules whose forward hooks were warned about
         self._attr_warned: set[str] = set()  # attributes set by the forward, warned about
         self._initialized = True  # from here on, new attributes go to the wrapped module
@@ -761,29 +806,23 @@ class ORTModule(torch.nn.Module):
         training = torch.is_grad_enabled() and (
             any(t.requires_grad for t in named.values() if isinstance(t, torch.nn.Parameter))
             or any(t.requires_grad for t in tensors))
+        self._release_changed_by_user()
         key = _signature(training, in_spec, leaves, self.module, named, self._skip)
-        if key not in self._engines and self._last_changed:
-            key = self._changed_by_forward(key, training, in_spec, leaves, named)
         if key not in self._engines:
             state = _attr_state(self.module)
             engine = self._build(key, args, kwargs, tensors, training)
             self._engines[key] = engine
             self._builds += 1
-            # a forward that sets a plain attribute on its first run (a lazily built cache's
-            # length, a warned-once flag): the graph was exported in the state it left
-            named_after = _named_tensors(self.module)
-            self._engines.setdefault(_signature(training, in_spec, leaves, self.module, named_after, self._skip),
-                                     engine)
-            # one that changes it on every call (a counter) would export again on every call:
-            # the next call whose signature differs by these attributes alone leaves them out
-            self._last_changed = _changed_attrs(self.module, state)
-            self._last_steady = None
-            if self._last_changed:
-                self._last_steady = _signature(training, in_spec, leaves, self.module, named_after,
-                                               self._skip_with(self._last_changed))
-                self._engines.setdefault(self._last_steady, engine)
+            # attributes the forward set while exporting (a lazily built cache's length, a
+            # counter) leave the signature while they keep the value a forward of ours left
+            # (a user's change brings them back); the graph was exported in that state
+            changed = _changed_attrs(self.module, state)
+            self._own(changed)
+            self._engines.setdefault(_signature(training, in_spec, leaves, self.module,
+                                                _named_tensors(self.module), self._skip), engine)
             if engine is not None:
-                engine.changed_attrs = self._last_changed
+                engine.changed_attrs = {k: (path, state[k][1] if k in state else None, new)
+                                        for k, (path, new, _) in changed.items()}
             self._evict()
             if self._builds == MANY_SIGNATURES:
                 warnings.warn(
@@ -793,37 +832,54 @@ class ORTModule(torch.nn.Module):
                     "few shapes", RuntimeWarning, stacklevel=4)
         engine = self._engines[key]
         if engine is None:  # this signature falls back to PyTorch
-            return self.module(*args, **kwargs)
+            return self._run_in_torch(args, kwargs)
+        self._tick += 1
+        self._used[id(engine)] = self._tick
         if engine.first_run:
             return self._first_run(engine, args, kwargs, tensors, named, training)
         return self._run(engine, tensors, named, training)
 
-    def _skip_with(self, changed: dict[tuple[int, str], Any]) -> dict[int, frozenset[str]]:
-        skip = dict(self._skip)
-        for module_id, name in changed:
-            skip[module_id] = skip.get(module_id, frozenset()) | {name}
-        return skip
+    def _own(self, changed: _AttrState) -> None:
+        """Attributes a forward of ours (an export, a call run in PyTorch) changed: left out of
+        the signature while they hold the value it left."""
+        if not changed:
+            return
+        self._owned.update(changed)
+        self._skip = {}
+        for module_id, name in self._owned:
+            self._skip[module_id] = self._skip.get(module_id, frozenset()) | {name}
 
-    def _changed_by_forward(self, key: Any, training: bool, in_spec: Any, leaves: list,
-                            named: dict[str, torch.Tensor]) -> Any:
-        """``key`` missed: when it differs from the last build's signature only by attributes
-        that build's forward changed, the forward changes them on every call (a signature that
-        runs in PyTorch runs the forward each time). They leave the signature and the last
-        build's graphs (or its fallback) serve the call."""
-        skip = self._skip_with(self._last_changed)
-        steady = _signature(training, in_spec, leaves, self.module, named, skip)
-        if steady != self._last_steady:
-            return key
-        self._skip = skip
-        self._last_changed = {}
-        return steady
+    def _release_changed_by_user(self) -> None:
+        """An owned attribute whose value is not the one our forward left was set by the user:
+        it is part of the signature again."""
+        if not self._owned:
+            return
+        changed = [k for k, (_, key, m) in self._owned.items()
+                   if _attr_key(vars(m).get(k[1], _NOT_HELD)) != key]
+        if changed:
+            kept = {k: v for k, v in self._owned.items() if k not in changed}
+            self._owned = {}
+            self._skip = {}
+            self._own(kept)
+
+    def _run_in_torch(self, args: tuple, kwargs: dict) -> Any:
+        """A signature that falls back: the module in PyTorch; what its forward changes stays
+        out of the signature (a counter does not make each call export again)."""
+        state = _attr_state(self.module)
+        result = self.module(*args, **kwargs)
+        self._own(_changed_attrs(self.module, state))
+        return result
 
     def _evict(self) -> None:
-        """At most MAX_ENGINES signatures' graphs are kept: the oldest go first."""
-        order = list(dict.fromkeys(id(e) for e in self._engines.values() if e is not None))
-        for oldest in order[:max(0, len(order) - MAX_ENGINES)]:
-            for k in [k for k, e in self._engines.items() if id(e) == oldest]:
+        """At most MAX_ENGINES signatures' graphs are kept: the least recently used go."""
+        live = list(dict.fromkeys(id(e) for e in self._engines.values() if e is not None))
+        if len(live) <= MAX_ENGINES:
+            return
+        live.sort(key=lambda i: self._used.get(i, 0))
+        for gone in live[:len(live) - MAX_ENGINES]:
+            for k in [k for k, e in self._engines.items() if e is not None and id(e) == gone]:
                 del self._engines[k]
+            self._used.pop(gone, None)
 
     def _run(self, engine: _Engine, tensors: list[torch.Tensor], named: dict[str, torch.Tensor],
              training: bool) -> Any:
@@ -863,7 +919,7 @@ class ORTModule(torch.nn.Module):
             self._fail(exc)
             for k in [k for k, e in self._engines.items() if e is engine]:
                 self._engines[k] = None  # under its signatures before and after the build
-            return self.module(*args, **kwargs)
+            return self._run_in_torch(args, kwargs)
         engine.first_run = False
         self._warn_changed_attrs(engine.changed_attrs)
         return result
@@ -875,7 +931,7 @@ class ORTModule(torch.nn.Module):
         if not new:
             return
         self._attr_warned.update(path for path, _, _ in new)
-        shown = ", ".join(f"{path!r} ({old!r} -> {value!r})" for path, old, value in new[:5])
+        shown = ", ".join(f"{path!r} ({_shown(old)} -> {_shown(value)})" for path, old, value in new[:5])
         warnings.warn(f"ORTModule: the forward of {type(self.module).__name__} set {shown} while "
                       "exporting; the graph was exported in that state, and its calls run the graph, "
                       "not the forward's Python code, so they do not change these attributes (a counter "
@@ -896,6 +952,8 @@ class ORTModule(torch.nn.Module):
                     ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors))
         try:
             device = _one_device(tensors, _named_tensors(self.module))
+            if device.type == "cuda":
+                cuda_providers(device)  # no CUDA provider: say so before exporting
             norms = _training_batch_norms(self.module)  # refuses what is unsupported before exporting
             _check_hooks(self.module, training, self._hook_warned)
             exported = export_call(self.module, args, kwargs, training=self.module.training,
