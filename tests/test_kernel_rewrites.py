@@ -400,3 +400,43 @@ def test_inference_batch_norm_is_left_alone() -> None:
         if attr.name == "training_mode":
             attr.i = 0
     assert not DecomposeTrainingBatchNormPass()(ir.from_proto(model)).modified
+
+
+@pytest.mark.parametrize("x_type", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_decomposed_training_batch_norm_with_half_inputs_and_float_statistics(x_type) -> None:
+    """Autocast's BatchNorm: a float16 / bfloat16 input with float32 scale, bias and running
+    statistics (the operator allows it). Normalized in float32; oracle: the ONNX definition in
+    float64 numpy on the same (rounded) input, tolerance of the output's precision."""
+    from onnx.reference import ReferenceEvaluator
+
+    from passes.kernels import DecomposeTrainingBatchNormPass
+
+    shape, momentum, eps = (4, 3, 5), 0.8, 1e-3
+    model = _bn_training_model(shape, momentum, True)
+    graph = model.graph
+    graph.input[0].type.tensor_type.elem_type = x_type
+    graph.output[1].type.tensor_type.elem_type = x_type  # y
+    sq, loss = graph.node[1], graph.node[2]
+    graph.node.remove(sq)
+    graph.node.remove(loss)
+    graph.output.remove(graph.output[0])  # no loss: the values only
+    del graph.value_info[:]
+    rewritten = _rewritten(model, DecomposeTrainingBatchNormPass())
+    onnx.checker.check_model(rewritten, full_check=True)
+    x32 = np.random.default_rng(3).standard_normal(shape).astype(np.float32) * 3 + 1
+    np_type = {TensorProto.FLOAT16: np.float16}.get(x_type)
+    if np_type is None:  # bfloat16: fed through onnx's reference evaluator (ml_dtypes)
+        import ml_dtypes
+
+        np_type = ml_dtypes.bfloat16
+    x = x32.astype(np_type)
+    y, mean_out, var_out = ReferenceEvaluator(rewritten).run(None, {"x": x})
+    init = {t.name: onnx.numpy_helper.to_array(t).astype(np.float64) for t in graph.initializer}
+    xd = x.astype(np.float64)
+    mean, var = xd.mean(axis=(0, 2)), xd.var(axis=(0, 2))
+    c = (1, -1, 1)
+    want = (xd - mean.reshape(c)) / np.sqrt(var.reshape(c) + eps) * init["scale"].reshape(c) + init["bias"].reshape(c)
+    assert y.dtype == np_type
+    np.testing.assert_allclose(y.astype(np.float64), want, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(mean_out, init["mean"] * momentum + mean * (1 - momentum), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(var_out, init["var"] * momentum + var * (1 - momentum), rtol=1e-5, atol=1e-6)

@@ -563,6 +563,20 @@ def test_a_value_behind_round_floor_or_sign_gets_torch_zero_gradient_not_none():
     assert mine.module.step.grad is not None, "None where torch gives zeros"
     _grads_equal(ref, mine.module)
 
+    class RoundThenArgmax(torch.nn.Module):  # round's output reaches the output only as an index
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+            self.pick = torch.nn.Parameter(torch.tensor([0.2, 1.7, 0.4]))
+
+        def forward(self, x):
+            return self.lin(x) * torch.round(self.pick).argmax()
+
+    ref, mine = _pair(RoundThenArgmax())
+    for module in (ref, mine):
+        module(x).sum().backward()
+    assert ref.pick.grad is None and mine.module.pick.grad is None
+
 
 def test_outputs_that_no_trained_value_reaches_do_not_require_grad():
     class Argmax(torch.nn.Module):

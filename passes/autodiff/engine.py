@@ -252,6 +252,15 @@ class GradientSweep:
                     found.append((node, i))
         return found
 
+    def _carried_to_loss(self) -> set[int]:
+        """Values from which a differentiable path leads to the loss (ids)."""
+        carried = {id(self.loss)}
+        for node in reversed(list(self.graph)):
+            if any(id(o) in carried for o in node.outputs):
+                rule = self._rules[id(node)]
+                carried.update(id(v) for i, v in _edges(node) if _is_diff_edge(rule, i, v))
+        return carried
+
     def _blocked_at(self, weight: ir.Value) -> str:
         """The first place :meth:`_blocking` finds, e.g. "input 2 (max) of Clip node 'clip'";
         "" when the loss does not depend on ``weight`` at all."""
@@ -322,8 +331,10 @@ class GradientSweep:
         if self.options.omit_unused:
             # PyTorch's convention: a zero gradient where a way to the loss runs through an op
             # whose derivative is zero (round, floor, ceil, sign), None where no way carries one
+            carried = self._carried_to_loss() if unused else set()
             zero = {id(w) for w in unused
-                    if any(n.op_type in ZERO_DERIVATIVE_OPS for n, _ in self._blocking(w))}
+                    if any(n.op_type in ZERO_DERIVATIVE_OPS and id(n.outputs[0]) in carried
+                           for n, _ in self._blocking(w))}
             self.weights = [w for w in self.weights if id(w) in needs or id(w) in zero]
             unused = []
         if unused and not self.options.allow_unused:

@@ -50,19 +50,22 @@ class DecomposeTrainingBatchNormPass(InPlacePass):
         b = OpBuilder(default_opset(model), dict(model.opset_imports))
         b.prefix = f"{node.name or 'BatchNormalization'}/decomposed"
         b.marks = dict(node.metadata_props)
-        dtype = x.dtype or ir.DataType.FLOAT
+        x_dtype = x.dtype or ir.DataType.FLOAT
+        # float16 / bfloat16 inputs (autocast; scale, bias and statistics often float32, as the
+        # operator allows) are normalized in float32, as cuDNN's kernel accumulates
+        dtype = ir.DataType.FLOAT if x_dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else x_dtype
         epsilon = node.attributes.get_float("epsilon", 1e-5)
         momentum = node.attributes.get_float("momentum", 0.9)
         axes = [0, *range(2, rank)]
         per_channel = b.const(np.array([1, -1] + [1] * (rank - 2), np.int64))
-        xv = b.wrap(x)
+        xv = b.cast_to(b.wrap(x), dtype)
         mean = b.reduce("ReduceMean", xv, axes)
         centered = b.Sub(xv, mean)
         var = b.reduce("ReduceMean", b.Mul(centered, centered), axes)
         inv_std = b.Reciprocal(b.Sqrt(b.Add(var, b.const(epsilon, dtype))))
-        y = b.Add(b.Mul(b.Mul(centered, inv_std), b.Reshape(b.wrap(scale), per_channel)),
-                  b.Reshape(b.wrap(bias), per_channel))
-        replaced = [(node.outputs[0], y)]
+        y = b.Add(b.Mul(b.Mul(centered, inv_std), b.Reshape(b.cast_to(b.wrap(scale), dtype), per_channel)),
+                  b.Reshape(b.cast_to(b.wrap(bias), dtype), per_channel))
+        replaced = [(node.outputs[0], b.cast_to(y, x_dtype))]
         keep, take = b.const(momentum, dtype), b.const(1.0 - momentum, dtype)
         flat = b.const(np.array([-1], np.int64))
         for index, (batch_stat, running) in enumerate(((mean, mean_in), (var, var_in)), start=1):
