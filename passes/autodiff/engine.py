@@ -25,6 +25,7 @@ from passes.autodiff.errors import GradientError
 from passes.autodiff.registry import GradRule, lookup
 from passes.autodiff.vjp import VJP_KEY
 from passes.marks import GRAD_OF_KEY, GRADIENT_OF_KEY, OUTPUT_KEY, STAGE_KEY, OutputRole, Role
+from passes.subgraphs import has_subgraphs, node_subgraphs
 
 # The mark passes.exports.ClassifyWeightsPass puts on initializers (parameter/buffer/constant);
 # when present, the default trained set is the parameters.
@@ -66,14 +67,8 @@ def is_float(value: ir.Value) -> bool:
 def captured_values(node: ir.Node) -> list[ir.Value]:
     """Outer-scope values read inside ``node``'s subgraphs (If/Loop/Scan bodies)."""
     found: dict[int, ir.Value] = {}
-    for attr in node.attributes.values():
-        graphs = []
-        if attr.type == ir.AttributeType.GRAPH:
-            graphs = [attr.value]
-        elif attr.type == ir.AttributeType.GRAPHS:
-            graphs = list(attr.value)
-        for graph in graphs:
-            _collect_outer(graph, found)
+    for graph in node_subgraphs(node):
+        _collect_outer(graph, found)
     return list(found.values())
 
 
@@ -92,7 +87,7 @@ def _collect_outer(graph: ir.Graph, found: dict[int, ir.Value]) -> None:
 
 def _edges(node: ir.Node) -> list[tuple[int, ir.Value]]:
     edges = [(i, v) for i, v in enumerate(node.inputs) if v is not None]
-    if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+    if has_subgraphs(node):
         base = len(node.inputs)
         edges += [(base + k, v) for k, v in enumerate(captured_values(node))]
     return edges

@@ -28,13 +28,14 @@ from passes.batching.state import (
     static_dims,
 )
 from passes.batching.tracing import Tracer
+from passes.subgraphs import has_subgraphs
 
 
 class Analysis(Tracer):
     def visit(self, node: ir.Node) -> list[Batch | None]:
         ins = [self.state.get(v) if v is not None else None for v in node.inputs]
         n = len(node.outputs)
-        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+        if has_subgraphs(node):
             return [UNKNOWN] * n  # a subgraph may read batched values of the outer graph
         if node.domain not in ("", "ai.onnx"):
             if any(s is not None for s in ins):

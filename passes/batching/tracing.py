@@ -27,6 +27,7 @@ from passes.batching.state import (
     static_dims,
 )
 from passes.forward.fold_constants import evaluate_node
+from passes.subgraphs import has_subgraphs
 
 
 class Tracer:
@@ -82,8 +83,7 @@ class Tracer:
                 tensor = ir.convenience.get_const_tensor(value)
                 out = tensor.numpy() if tensor is not None else None
             elif node.domain in ("", "ai.onnx") and node.op_type not in RANDOM and len(node.outputs) == 1 \
-                    and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-                                for a in node.attributes.values()):
+                    and not has_subgraphs(node):
                 arrays = [self.const(v) for v in node.inputs]
                 if all((a is not None and a.size <= 4096) or v is None for a, v in zip(arrays, node.inputs)):
                     with np.errstate(all="ignore"):  # e.g. casting a -inf mask: the value is not needed

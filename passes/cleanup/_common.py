@@ -14,6 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.marks import STAGE_KEY
+from passes.subgraphs import node_subgraphs
 
 ONNX_DOMAINS = frozenset({"", "ai.onnx"})
 # Ops whose every run draws new numbers (Dropout is random only in training mode; see is_random).
@@ -30,11 +31,7 @@ def known_array(value: ir.Value | None) -> np.ndarray | None:
 
 
 def subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            yield attr.as_graph()
-        elif attr.type == ir.AttributeType.GRAPHS:
-            yield from attr.as_graphs()
+    yield from node_subgraphs(node)
 
 
 def is_random(node: ir.Node) -> bool:

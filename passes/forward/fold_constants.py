@@ -25,6 +25,8 @@ import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 from onnx_ir.passes import InPlacePass, PassResult
 
+from passes.subgraphs import has_subgraphs
+
 _NON_DETERMINISTIC = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
      "Bernoulli", "Dropout"}
@@ -74,8 +76,7 @@ def _predicted_elements(node: ir.Node, arrays: list[np.ndarray | None]) -> int |
 def _foldable(node: ir.Node) -> bool:
     return (node.domain in ("", "ai.onnx") and node.op_type not in _NON_DETERMINISTIC
             and node.op_type != "Constant" and len(node.outputs) == 1 and bool(node.inputs)
-            and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-                        for a in node.attributes.values()))
+            and not has_subgraphs(node))
 
 
 def evaluate_node(node: ir.Node, arrays: list[np.ndarray | None], opset: int) -> np.ndarray | None:

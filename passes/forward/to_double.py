@@ -28,6 +28,8 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from passes.subgraphs import node_subgraphs
+
 F32, F64 = ir.DataType.FLOAT, ir.DataType.DOUBLE
 F32_ONLY = frozenset({F32})
 LOW_PRECISION = frozenset({F32, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
@@ -144,12 +146,8 @@ class ToDoublePass(InPlacePass):
         modified = _convert_graph_values(model.graph, src)
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
             modified |= _convert_node(node, opset, src)
-            for attr in node.attributes.values():
-                if attr.type == ir.AttributeType.GRAPH:
-                    modified |= _convert_graph_values(attr.value, src)
-                elif attr.type == ir.AttributeType.GRAPHS:
-                    for sub in attr.value:
-                        modified |= _convert_graph_values(sub, src)
+            for sub in node_subgraphs(node):
+                modified |= _convert_graph_values(sub, src)
         for function in model.functions.values():
             for node in ir.traversal.RecursiveGraphIterator(function):
                 modified |= _convert_node(node, function.opset_imports.get("", opset), src)

@@ -24,6 +24,7 @@ from onnx_ir.passes import common
 
 from passes.marks import Role, mark
 from passes.precision.policy import DEFAULT_DOMAINS
+from passes.subgraphs import nested_graphs, node_subgraphs
 
 F32 = ir.DataType.FLOAT
 LOW_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -50,24 +51,14 @@ def all_values(graph: ir.Graph) -> list[ir.Value]:
     values = list(graph.inputs) + list(graph.initializers.values())
     for node in ir.traversal.RecursiveGraphIterator(graph):
         values.extend(node.outputs)
-        for attr in node.attributes.values():
-            subs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
-                list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
-            for sub in subs:
-                values.extend(list(sub.inputs) + list(sub.initializers.values()))
+        for sub in node_subgraphs(node):
+            values.extend(list(sub.inputs) + list(sub.initializers.values()))
     return values
 
 
 def subgraphs(graph: ir.Graph) -> list[ir.Graph]:
     """``graph`` and every graph nested in it."""
-    found = [graph]
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                found.append(attr.value)
-            elif attr.type == ir.AttributeType.GRAPHS:
-                found.extend(attr.value)
-    return found
+    return nested_graphs(graph)
 
 
 def ensure_types(model: ir.Model) -> None:

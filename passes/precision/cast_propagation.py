@@ -58,6 +58,7 @@ from passes.precision.cast_cleanup import (
     subgraphs,
 )
 from passes.precision.policy import MAX_LEVEL, allowed_ops, relevant_ports
+from passes.subgraphs import has_subgraphs
 
 KernelPredicate = Callable[[str, str, ir.DataType], bool]
 
@@ -71,8 +72,7 @@ class Strategy(enum.IntFlag):
 
 
 def _has_subgraph(node: ir.Node) -> bool:
-    return any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-               for a in node.attributes.values())
+    return has_subgraphs(node)
 
 
 class _Propagation:

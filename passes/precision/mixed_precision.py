@@ -50,6 +50,7 @@ from passes.precision.policy import (
     precision_of,
     relevant_ports,
 )
+from passes.subgraphs import has_subgraphs
 
 MARKER_KEY = "gradgraph.mixed_precision"
 EMULATED_KEY = "gradgraph.emulated"
@@ -82,8 +83,7 @@ class _Kind(enum.Enum):
 
 
 def _has_subgraph(node: ir.Node) -> bool:
-    return any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-               for a in node.attributes.values())
+    return has_subgraphs(node)
 
 
 def _loss_subgraph(graph: ir.Graph, loss: str | None) -> set[int]:

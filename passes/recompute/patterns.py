@@ -33,6 +33,7 @@ import onnx_ir as ir
 from passes.marks import RECOMPUTE_OF_KEY, Role, role_of
 from passes.recompute.analysis import is_activation_producer
 from passes.recompute.options import GELU_OPS, LAYER_NORM_OPS, LAYER_START_OPS, RecomputeOptions
+from passes.subgraphs import has_subgraphs
 
 FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE,
                     ir.DataType.BFLOAT16})
@@ -69,8 +70,7 @@ def recomputable(node: ir.Node, options: RecomputeOptions) -> bool:
         return False
     if node.op_type in options.banned_ops and not is_dropout_with_mask(node):
         return False
-    if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-           for a in node.attributes.values()):
+    if has_subgraphs(node):
         return False
     return options.recompute_non_float or any(o.dtype in FLOATS for o in node.outputs)
 

@@ -39,6 +39,7 @@ import onnx_ir as ir
 
 from passes.autodiff.engine import captured_values
 from passes.marks import Role, role_of
+from passes.subgraphs import node_subgraphs
 
 BACKWARD_SIDE = frozenset({Role.BACKWARD, Role.RECOMPUTE, Role.OPTIMIZER})
 SHAPE_ONLY = frozenset({"Shape", "Size"})
@@ -69,20 +70,10 @@ def _is_constant(node: ir.Node) -> bool:
     return node.op_type == "Constant" and node.domain in ("", "ai.onnx") and not node.inputs
 
 
-def _subgraphs(node: ir.Node) -> list[ir.Graph]:
-    graphs: list[ir.Graph] = []
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            graphs.append(attr.value)
-        elif attr.type == ir.AttributeType.GRAPHS:
-            graphs.extend(attr.value)
-    return graphs
-
-
 def _owners(graph: ir.Graph) -> dict[int, ir.Node]:
     """Each node inside a subgraph (If branches, Loop and Scan bodies, nested) -> the node of
     ``graph`` that holds it: a value an inner node reads is read by that node."""
-    return {id(inner): node for node in graph for sub in _subgraphs(node)
+    return {id(inner): node for node in graph for sub in node_subgraphs(node)
             for inner in ir.traversal.RecursiveGraphIterator(sub)}
 
 
@@ -91,9 +82,10 @@ def _readers(value: ir.Value, owners: dict[int, ir.Node]) -> list[ir.Node]:
     return [owners.get(id(u.node), u.node) for u in value.uses()]
 
 
-def backward_side(graph: ir.Graph) -> list[bool]:
-    """For each node in graph order: does it belong to the backward side (rule 1)?"""
-    owners = _owners(graph)
+def backward_side(graph: ir.Graph, owners: dict[int, ir.Node] | None = None) -> list[bool]:
+    """For each node in graph order: does it belong to the backward side (rule 1)?
+    ``owners``: :func:`_owners` of ``graph`` where the caller has it."""
+    owners = _owners(graph) if owners is None else owners
     # Graph inputs only backward-side nodes read (the seeds of output gradients) are the
     # backward's: a Shape of one runs there too, the forward is never fed them.
     produced_by_backward: set[int] = {
@@ -114,12 +106,12 @@ def backward_side(graph: ir.Graph) -> list[bool]:
 def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     """Split ``model`` (not modified) into forward and backward models (module docstring)."""
     graph = model.graph
-    sides = backward_side(graph)
+    owners = _owners(graph)
+    sides = backward_side(graph, owners)
     if not any(sides):
         raise SplitError("the graph has no backward node (no node is marked gradgraph.stage = "
                          "backward): build the gradient graph first (GradientPass)")
     nodes = list(graph)
-    owners = _owners(graph)
     dead = _dead_nodes(graph, owners)
     sides = [b and id(n) not in dead for n, b in zip(nodes, sides)]
     back_ids = {id(n) for n, b in zip(nodes, sides) if b}
@@ -207,7 +199,7 @@ def _remove(graph: ir.Graph, nodes: list[ir.Node]) -> None:
     """``graph.remove(nodes, safe=True)``, the nodes inside their subgraphs first detached from
     what they read (a Loop body reading an outer value another removed node makes)."""
     for node in nodes:
-        for sub in _subgraphs(node):
+        for sub in node_subgraphs(node):
             for inner in ir.traversal.RecursiveGraphIterator(sub):
                 for i in range(len(inner.inputs)):
                     inner.replace_input_with(i, None)
