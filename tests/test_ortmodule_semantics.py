@@ -725,7 +725,7 @@ class Bag(torch.nn.Module):
 
 @pytest.mark.parametrize("mode,layout", [
     ("sum", "2d"), ("sum", "weighted"), ("sum", "last_offset"), ("mean", "offsets"), ("mean", "padding"),
-    ("max", "2d"), ("max", "padding"), ("mean", "padding_int32"), ("sum", "offsets_int32"),
+    ("max", "2d"), ("max", "padding"), ("mean", "padding_int32"),
 ])
 def test_embedding_bag_trains_in_onnxruntime_like_torch(mode, layout):
     # torchlib writes EmbeddingBag as a Loop over a sequence: its types broke the forward in
