@@ -56,6 +56,11 @@ def inference_session(model: onnx.ModelProto, *args: Any, **kwargs: Any) -> ort.
     return ort.InferenceSession(lowered.SerializeToString(), *args, **kwargs)
 
 
+def provider_names(providers: Any) -> list[str]:
+    """The names of onnxruntime ``providers`` given as names or ``(name, options)`` pairs."""
+    return [p if isinstance(p, str) else p[0] for p in providers or ()]
+
+
 def default_opset(model: onnx.ModelProto) -> int | None:
     """The model's default-domain (``""``/``ai.onnx``) opset version, or None."""
     for imp in model.opset_import:

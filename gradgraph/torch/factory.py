@@ -22,9 +22,16 @@ import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
-from gradgraph.compat import inference_session
+from gradgraph.compat import inference_session, provider_names
 from gradgraph.io import load_model
-from gradgraph.torch.ortmodule import GraphRunner, _to_ort, _to_torch, apply_runner, device_rewrites
+from gradgraph.torch.ortmodule import (
+    GraphRunner,
+    _to_ort,
+    _to_torch,
+    apply_runner,
+    device_rewrites,
+    tf32_option,
+)
 from gradgraph.validate import check_names
 from passes.forward.distinct_outputs import DistinctOutputsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
@@ -109,11 +116,11 @@ class TorchOrtFactory:
         (``torch.backends.cuda.matmul.allow_tf32``, off by default; onnxruntime's default is on)."""
         if self.provider_options is not None:
             return self.provider_options
-        names = [p if isinstance(p, str) else p[0] for p in self.providers]
+        names = provider_names(self.providers)
         if not any(n in GPU_PROVIDERS for n in names):
             return None
-        tf32 = "1" if torch.backends.cuda.matmul.allow_tf32 else "0"
-        return [{"device_id": str(self.device_index), **({"use_tf32": tf32} if n == "CUDAExecutionProvider" else {})}
+        return [{"device_id": str(self.device_index),
+                 **({"use_tf32": tf32_option()} if n == "CUDAExecutionProvider" else {})}
                 if n in GPU_PROVIDERS else {} for n in names]
 
     def _session(self, model: ir.Model) -> ort.InferenceSession:
@@ -133,8 +140,8 @@ class TorchOrtFactory:
         n_user = len(self.output_names)
         PrepareForGradientPass(strict_parameters=False)(model)
         WholeScoresLossPass()(model)  # a loss over sliced scores: no copy of them, no Pad
-        providers = [p if isinstance(p, str) else p[0] for p in self.providers]
-        for rewrite in device_rewrites("cuda" if "CUDAExecutionProvider" in providers else "cpu"):
+        cuda = "CUDAExecutionProvider" in provider_names(self.providers)
+        for rewrite in device_rewrites("cuda" if cuda else "cpu"):
             rewrite(model)
         # outputs the preparation exposed (Dropout masks, running statistics) are not the user's
         ParamsToInputsPass(self.weights_to_train)(model)

@@ -164,10 +164,14 @@ def cuda_providers(device: torch.device) -> list:
                            f"(it has {', '.join(available)}): install onnxruntime-gpu in place of "
                            "onnxruntime, or move the module and its inputs to the CPU")
     index = device.index if device.index is not None else torch.cuda.current_device()
-    options = {"device_id": str(index),
-               # torch's float32 matrix products use TF32 only where allowed (off by default)
-               "use_tf32": "1" if torch.backends.cuda.matmul.allow_tf32 else "0"}
-    return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+    return [("CUDAExecutionProvider", {"device_id": str(index), "use_tf32": tf32_option()}),
+            "CPUExecutionProvider"]
+
+
+def tf32_option() -> str:
+    """The CUDA provider's ``use_tf32``: as torch's float32 matrix products, TF32 only where
+    ``torch.backends.cuda.matmul.allow_tf32`` allows it (off by default; onnxruntime's is on)."""
+    return "1" if torch.backends.cuda.matmul.allow_tf32 else "0"
 
 
 def _session(model: ir.Model, threads: int | None, severity: int = 3,
@@ -257,14 +261,6 @@ def _to_torch(v: ort.OrtValue, device: torch.device | None = None) -> torch.Tens
     return t if device is None or t.device == device else t.to(device)
 
 
-def _device_of(tensors: Any) -> torch.device:
-    """The device of the first tensor of ``tensors`` (the CPU when there is none)."""
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
-
-
 def _sync(device: torch.device) -> None:
     """Wait for the work torch queued on ``device``'s current stream (it produces the tensors
     onnxruntime is about to read on its own stream)."""
@@ -282,47 +278,33 @@ def _input_bytes(model: ir.Model) -> int:
     return total
 
 
-def _run_session(session: ort.InferenceSession, outputs: list[str], feeds: dict[str, ort.OrtValue],
-                 run_options: ort.RunOptions | None) -> list[ort.OrtValue]:
-    """``session``'s ``outputs`` on ``feeds``. On a CUDA session the outputs stay on its device
-    (bound there; ``run_with_ort_values`` would copy each to the host, and torch back again),
-    except bool outputs, which come to the host (see :func:`_to_torch`)."""
-    device = _session_device(session)
-    if device is None:
-        return session.run_with_ort_values(outputs, feeds, run_options)
-    binding = session.io_binding()
-    for name, value in feeds.items():
-        binding.bind_ortvalue_input(name, value)
-    bools = _bool_outputs(session)
-    for name in outputs:
-        if name in bools:
-            binding.bind_output(name, "cpu")
-        else:
-            binding.bind_output(name, "cuda", device)
-    session.run_with_iobinding(binding, run_options)
-    binding.synchronize_outputs()
-    return binding.get_outputs()
+class _SessionRun:
+    """Runs one onnxruntime session on OrtValues. On a CUDA session the outputs stay on its
+    device (bound there; ``run_with_ort_values`` would copy each to the host, and torch back
+    again), except bool outputs, which come to the host (see :func:`_to_torch`)."""
 
+    def __init__(self, session: ort.InferenceSession, run_options: ort.RunOptions | None) -> None:
+        self.session, self.run_options = session, run_options
+        self.cuda_device: int | None = None
+        if session.get_providers()[:1] == ["CUDAExecutionProvider"]:
+            options = session.get_provider_options().get("CUDAExecutionProvider", {})
+            self.cuda_device = int(options.get("device_id", 0))
+        self.bools = {o.name for o in session.get_outputs() if o.type == "tensor(bool)"}
 
-def _session_device(session: ort.InferenceSession) -> int | None:
-    """The CUDA device a session computes on (its first provider is CUDA's), else None."""
-    cached = getattr(session, "_gradgraph_device", False)
-    if cached is not False:
-        return cached
-    device = None
-    if session.get_providers()[:1] == ["CUDAExecutionProvider"]:
-        options = session.get_provider_options().get("CUDAExecutionProvider", {})
-        device = int(options.get("device_id", 0))
-    session._gradgraph_device = device  # type: ignore[attr-defined]
-    return device
-
-
-def _bool_outputs(session: ort.InferenceSession) -> set[str]:
-    cached = getattr(session, "_gradgraph_bools", None)
-    if cached is None:
-        cached = {o.name for o in session.get_outputs() if o.type == "tensor(bool)"}
-        session._gradgraph_bools = cached  # type: ignore[attr-defined]
-    return cached
+    def __call__(self, outputs: list[str], feeds: dict[str, ort.OrtValue]) -> list[ort.OrtValue]:
+        if self.cuda_device is None:
+            return self.session.run_with_ort_values(outputs, feeds, self.run_options)
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, value)
+        for name in outputs:
+            if name in self.bools:
+                binding.bind_output(name, "cpu")
+            else:
+                binding.bind_output(name, "cuda", self.cuda_device)
+        self.session.run_with_iobinding(binding, self.run_options)
+        binding.synchronize_outputs()
+        return binding.get_outputs()
 
 
 class GraphRunner:
@@ -348,7 +330,9 @@ class GraphRunner:
             if save is not None:
                 save(model, "execution_model")
             self.forward = make_session(model)
+            self._run_forward = _SessionRun(self.forward, run_options)
             self.backward: ort.InferenceSession | None = None
+            self._run_backward: _SessionRun | None = None
             self.fwd_inputs = {i.name for i in self.forward.get_inputs()}
             self.fwd_outputs = [o.name for o in self.forward.get_outputs()]
             return
@@ -372,18 +356,20 @@ class GraphRunner:
         # the export's and the build's garbage, before the sessions are laid out
         release_free_memory(_input_bytes(model))
         self.forward = make_session(split.forward)
+        self._run_forward = _SessionRun(self.forward, run_options)
         self.fwd_inputs = {i.name for i in self.forward.get_inputs()}
         self.fwd_outputs = [o.name for o in self.forward.get_outputs()]
         self.backward = None
+        self._run_backward = None
         self.bwd_inputs, self.bwd_outputs = [], []
         if self.grad_names:  # else no differentiable value reaches an output: nothing to run backward
             self.backward = make_session(split.backward)
+            self._run_backward = _SessionRun(self.backward, run_options)
             self.bwd_inputs = [i.name for i in self.backward.get_inputs()]
             self.bwd_outputs = [o.name for o in self.backward.get_outputs()]
 
     def run_forward(self, values: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
-        outs = _run_session(self.forward, self.fwd_outputs,
-                            {k: v for k, v in values.items() if k in self.fwd_inputs}, self.run_options)
+        outs = self._run_forward(self.fwd_outputs, {k: v for k, v in values.items() if k in self.fwd_inputs})
         return dict(zip(self.fwd_outputs, outs))
 
     def backward_reads(self) -> list[str]:
@@ -400,7 +386,8 @@ class GraphRunner:
         for name in self.bwd_inputs:
             if name not in feeds:
                 feeds[name] = kept[name] if name in kept else values[name]
-        outs = dict(zip(self.bwd_outputs, _run_session(self.backward, self.bwd_outputs, feeds, self.run_options)))
+        assert self._run_backward is not None  # built with the backward session
+        outs = dict(zip(self.bwd_outputs, self._run_backward(self.bwd_outputs, feeds)))
         return {x: outs[g] for x, g in self.grad_names.items()}
 
 
@@ -682,7 +669,8 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: GraphRunner, after_forward: Any,  # type: ignore[override]
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        device = _device_of(tensors)
+        devices = [t.device for t in tensors]  # each gradient goes where its input is
+        device = devices[0] if devices else torch.device("cpu")
         values = {n: _to_ort(t) for n, t in zip(runner.feed_names, tensors)}
         _sync(device)
         kept = runner.run_forward(values)
@@ -702,7 +690,7 @@ class _Function(torch.autograd.Function):
                 saved.append(as_output[name] if name in as_output else _to_torch(kept[name]))
         ctx.save_for_backward(*saved)
         ctx.runner, ctx.saved_names = runner, saved_names
-        ctx.devices = [t.device for t in tensors]  # each gradient goes where its input is
+        ctx.devices = devices
         ctx.shapes = [(r.shape, r.dtype) for r in results]
         for r in results:
             if not r.is_floating_point():
@@ -842,11 +830,14 @@ class ORTModule(torch.nn.Module):
     def _own(self, changed: _AttrState) -> None:
         """Attributes a forward of ours (an export, a call run in PyTorch) changed: left out of
         the signature while they hold the value it left."""
-        if not changed:
-            return
-        self._owned.update(changed)
+        if changed:
+            self._set_owned({**self._owned, **changed})
+
+    def _set_owned(self, owned: _AttrState) -> None:
+        """``owned``, and the signature's ``skip`` derived from it."""
+        self._owned = owned
         self._skip = {}
-        for module_id, name in self._owned:
+        for module_id, name in owned:
             self._skip[module_id] = self._skip.get(module_id, frozenset()) | {name}
 
     def _release_changed_by_user(self) -> None:
@@ -857,10 +848,7 @@ class ORTModule(torch.nn.Module):
         changed = [k for k, (_, key, m) in self._owned.items()
                    if _attr_key(vars(m).get(k[1], _NOT_HELD)) != key]
         if changed:
-            kept = {k: v for k, v in self._owned.items() if k not in changed}
-            self._owned = {}
-            self._skip = {}
-            self._own(kept)
+            self._set_owned({k: v for k, v in self._owned.items() if k not in changed})
 
     def _run_in_torch(self, args: tuple, kwargs: dict) -> Any:
         """A signature that falls back: the module in PyTorch; what its forward changes stays

@@ -46,6 +46,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnx_ir.passes import InPlacePass, PassBase, PassResult
 
+from gradgraph.compat import provider_names
 from gradgraph.io import load_model, staged_folder
 from gradgraph.pipeline import Pipeline, Stage, StageReport, is_stage_file
 from gradgraph.training.options import TrainingConfig
@@ -167,7 +168,7 @@ def kernel_support(providers: Sequence[Any] | None, dtype: str) -> Any:
     """
     if not providers:
         return None
-    names = [p if isinstance(p, str) else p[0] for p in providers]
+    names = provider_names(providers)
     if dtype == "bfloat16" and names[0] == "CPUExecutionProvider":
         return lambda op_type, domain, value_type: False
     from gradgraph.kernels import training_kernel_predicate
@@ -208,7 +209,7 @@ def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
                                ReduceLossPass(config.loss, config.loss_reduction),
                                WholeScoresLossPass(), ExposeRunningStatsPass(names.out_suffix)]
     gradient: list[PassBase] = []
-    if providers and (providers[0] if isinstance(providers[0], str) else providers[0][0]) == "CUDAExecutionProvider":
+    if provider_names(providers)[:1] == ["CUDAExecutionProvider"]:
         # onnxruntime's CUDA kernel refuses training-mode BatchNormalization at opset >= 14; here,
         # after the graph transforms, whose model the eval graph is made from (inference BatchNorm)
         gradient.append(DecomposeTrainingBatchNormPass())
