@@ -22,6 +22,8 @@ import pytest
 torch = pytest.importorskip("torch")
 model_zoo = pytest.importorskip("model_zoo")
 
+from test_ortmodule import _train  # noqa: E402
+
 from gradgraph.torch import ORTModule, TorchOrtFactory  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -44,43 +46,8 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def _close_grads(ref: torch.nn.Module, mine: torch.nn.Module) -> None:
-    scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
-    for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
-        if p.grad is None:
-            assert q.grad is None or not q.grad.abs().max(), name
-            continue
-        assert q.grad is not None, f"{name}: no gradient through ORTModule"
-        assert q.grad.device == p.device, f"{name}: gradient on {q.grad.device}, parameter on {p.device}"
-        np.testing.assert_allclose(_np(q.grad), _np(p.grad), rtol=RTOL, atol=ATOL * scale, err_msg=name)
-
-
 def _train_on_gpu(name: str, optimizer: str, steps: int = 10) -> None:
-    ref, batch, _ = model_zoo.build(name, "train_p0")
-    ref.to(DEVICE)
-    batch = tuple(t.to(DEVICE) for t in batch)
-    mine = copy.deepcopy(ref)
-    wrapped = ORTModule(mine, fallback="raise")
-    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)}[optimizer]
-    opt_ref, opt_mine = make(ref.parameters()), make(wrapped.parameters())
-    for step in range(steps):
-        opt_ref.zero_grad()
-        opt_mine.zero_grad()
-        loss_ref, loss_mine = ref(*batch), wrapped(*batch)
-        assert loss_mine.device == DEVICE
-        loss_ref.backward()
-        loss_mine.backward()
-        np.testing.assert_allclose(loss_mine.item(), loss_ref.item(), rtol=RTOL, err_msg=f"step {step}")
-        _close_grads(ref, mine)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
-        opt_ref.step()
-        opt_mine.step()
-    for (pname, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
-        np.testing.assert_allclose(_np(q), _np(p), rtol=RTOL, atol=ATOL, err_msg=pname)
-    for (bname, b), (_, c) in zip(ref.named_buffers(), mine.named_buffers()):  # BatchNorm statistics
-        np.testing.assert_allclose(_np(c), _np(b), rtol=RTOL, atol=ATOL, err_msg=bname)
+    wrapped = _train(name, steps, optimizer, device="cuda:0", rtol=RTOL, atol=ATOL, fallback="raise")
     engines = [e for e in wrapped._engines.values() if e is not None]
     assert engines and all(e.device == DEVICE for e in engines)
     providers = engines[0].runner.forward.get_providers()

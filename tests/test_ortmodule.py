@@ -22,22 +22,31 @@ model_zoo = pytest.importorskip("model_zoo")
 from gradgraph.torch import DebugOptions, ORTModule, ORTModuleTorchModelException  # noqa: E402
 
 
-def _close_grads(ref: torch.nn.Module, mine: torch.nn.Module) -> None:
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def _close_grads(ref: torch.nn.Module, mine: torch.nn.Module, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Gradients equal, ``atol`` times the largest reference gradient as the absolute floor."""
     scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
     for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
         if p.grad is None:
             assert q.grad is None or not q.grad.abs().max(), name
             continue
         assert q.grad is not None, f"{name}: no gradient through ORTModule"
-        expected = p.grad.numpy()
-        np.testing.assert_allclose(q.grad.numpy(), expected, rtol=1e-5,
-                                   atol=1e-6 * scale, err_msg=name)
+        assert q.grad.device == p.device, f"{name}: gradient on {q.grad.device}, parameter on {p.device}"
+        np.testing.assert_allclose(_np(q.grad), _np(p.grad), rtol=rtol, atol=atol * scale, err_msg=name)
 
 
-def _train(name: str, steps: int, optimizer: str) -> None:
+def _train(name: str, steps: int, optimizer: str, device: str = "cpu", rtol: float = 1e-5,
+           atol: float = 1e-6, **options) -> ORTModule:
+    """``steps`` steps of the zoo model ``name`` and of ORTModule on a copy, on ``device``:
+    losses, gradients, parameters and buffers equal within ``rtol`` / ``atol``. The ORTModule."""
     ref, batch, _ = model_zoo.build(name, "train_p0")
+    ref.to(device)
+    batch = tuple(t.to(device) for t in batch)
     mine = copy.deepcopy(ref)
-    wrapped = ORTModule(mine)
+    wrapped = ORTModule(mine, **options)
     make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
             "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)}[optimizer]
     opt_ref, opt_mine = make(ref.parameters()), make(wrapped.parameters())
@@ -46,28 +55,34 @@ def _train(name: str, steps: int, optimizer: str) -> None:
         opt_mine.zero_grad()
         loss_ref = ref(*batch)
         loss_mine = wrapped(*batch)
+        assert loss_mine.device == loss_ref.device
         loss_ref.backward()
         loss_mine.backward()
-        np.testing.assert_allclose(loss_mine.item(), loss_ref.item(), rtol=1e-5, err_msg=f"step {step}")
-        _close_grads(ref, mine)
+        np.testing.assert_allclose(loss_mine.item(), loss_ref.item(), rtol=rtol, err_msg=f"step {step}")
+        _close_grads(ref, mine, rtol, atol)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
         opt_ref.step()
         opt_mine.step()
-    for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
-        np.testing.assert_allclose(q.detach().numpy(), p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
-    for (name, b), (_, c) in zip(ref.named_buffers(), mine.named_buffers()):  # BatchNorm statistics
-        np.testing.assert_allclose(c.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    for (pname, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
+        np.testing.assert_allclose(_np(q), _np(p), rtol=rtol, atol=atol, err_msg=pname)
+    for (bname, b), (_, c) in zip(ref.named_buffers(), mine.named_buffers()):  # BatchNorm statistics
+        np.testing.assert_allclose(_np(c), _np(b), rtol=rtol, atol=atol, err_msg=bname)
+    return wrapped
+
+
+def _train_on_one_graph(name: str, steps: int, optimizer: str) -> None:
+    wrapped = _train(name, steps, optimizer)
     assert len(wrapped._engines) == 1, "one signature, one graph"
 
 
 def test_mlp_trains_like_pytorch():
-    _train("mlp", 10, "sgd")
+    _train_on_one_graph("mlp", 10, "sgd")
 
 
 def test_cnn_with_batch_norm_trains_like_pytorch():
     """Batch statistics in the forward, running statistics written back (unbiased variance)."""
-    _train("cnn", 10, "adamw")
+    _train_on_one_graph("cnn", 10, "adamw")
 
 
 def test_cnn_trains_like_pytorch_with_batch_norm_decomposed(monkeypatch):
@@ -79,14 +94,14 @@ def test_cnn_trains_like_pytorch_with_batch_norm_decomposed(monkeypatch):
     made = []
     monkeypatch.setattr(ortmodule, "device_rewrites",
                         lambda device: made.append(device) or [DecomposeTrainingBatchNormPass()])
-    _train("cnn", 10, "adamw")
+    _train_on_one_graph("cnn", 10, "adamw")
     assert made, "the engine did not ask for the device's rewrites"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,optimizer", [("bert", "adamw"), ("gpt2", "sgd")])
 def test_tiny_transformers_train_like_pytorch(name, optimizer):
-    _train(name, 10, optimizer)
+    _train_on_one_graph(name, 10, optimizer)
 
 
 class TwoHeads(torch.nn.Module):
