@@ -16,5 +16,8 @@ echo "[test] ruff check"
 echo "[test] mypy"
 "$VENV/bin/python" -m mypy
 # pytest exits 5 when it collects no test; the script exits with pytest's status, so that
-# fails too.
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# fails too. Tests run in one worker per core (pytest-xdist), a test file per worker at a time
+# (its module fixtures, such as the exported models, built once); GRADGRAPH_TEST_WORKERS=0 runs
+# them in this process.
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+  -n "${GRADGRAPH_TEST_WORKERS:-auto}" --dist loadfile "$@"
