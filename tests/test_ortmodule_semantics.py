@@ -156,6 +156,36 @@ def test_a_parameter_unfrozen_or_replaced_after_the_first_call_is_seen():
     _close(mine(x), ref(x), "after load_state_dict(assign=True)")
 
 
+def test_weights_changed_in_place_or_reassigned_between_calls_are_read_anew():
+    """ORTModule keeps the OrtValues of weights and buffers between calls (no conversion per
+    call): an in-place change, a ``.data`` reassignment, a non-contiguous replacement and a
+    retained graph's second backward all read the values of the moment, as torch does."""
+    torch.manual_seed(0)
+    ref, mine = _pair(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)))
+    x = torch.randn(5, 4)
+    _close(mine(x), ref(x), "first call")
+    changes = [
+        ("in place", lambda m: m[0].weight.data.mul_(-2.0)),
+        ("new data, same shape", lambda m: setattr(m[2].bias, "data", torch.full((2,), 0.25))),
+        ("new data, transposed copy (non-contiguous)",
+         lambda m: setattr(m[2].weight, "data", m[2].weight.data.t().contiguous().t() * 3.0)),
+    ]
+    for what, change in changes:
+        with torch.no_grad():
+            for m in (ref, mine.module):
+                change(m)
+        for m in (ref, mine.module):
+            m.zero_grad()
+        out_ref, out_mine = ref(x), mine(x)
+        _close(out_mine, out_ref, what)
+        out_ref.square().sum().backward(retain_graph=True)
+        out_mine.square().sum().backward(retain_graph=True)
+        _grads_equal(ref, mine.module)
+        out_ref.sum().backward()  # a second backward through the retained graph
+        out_mine.sum().backward()
+        _grads_equal(ref, mine.module)
+
+
 class Normalizer(torch.nn.Module):
     """A forward that updates buffers in place (a running mean, a step counter)."""
 

@@ -155,7 +155,8 @@ class TorchOrtFactory:
                                for v in model.graph.inputs)]
         pre_grad = ir.to_proto(model) if keep_models else None
         runner = GraphRunner(model, feed_names, float_inputs + self.weights_to_train, runner_outputs,
-                             training=True, make_session=self._session, run_options=self.run_options)
+                             training=True, make_session=self._session, run_options=self.run_options,
+                             state_names=self.weights_to_train)
         if enable_logging:
             logger.info("TorchOrtFactory: %s built; forward outputs %d, backward inputs %d",
                         self.class_name, len(runner.fwd_outputs), len(runner.bwd_inputs))

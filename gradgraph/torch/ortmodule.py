@@ -45,7 +45,7 @@ import logging
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -251,6 +251,29 @@ def _to_ort(t: torch.Tensor) -> ort.OrtValue:
     return ort.OrtValue.from_dlpack(t)
 
 
+class _OrtValues:
+    """OrtValues of the tensors a runner is fed on every call (a module's weights and buffers):
+    each made once and reused while its feed is the same tensor over the same memory (an
+    optimizer updates it in place, and onnxruntime reads that memory). A tensor replaced, its
+    data reassigned, moved or cast gets a new one; other feeds are converted on every call."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = frozenset(names)
+        self._made: dict[str, tuple[torch.Tensor, tuple, ort.OrtValue]] = {}
+
+    def get(self, name: str, t: torch.Tensor) -> ort.OrtValue:
+        if name not in self.names:
+            return _to_ort(t)
+        key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+        made = self._made.get(name)
+        if made is not None and made[0] is t and made[1] == key:
+            return made[2]
+        value = _to_ort(t)
+        if t.is_contiguous() and t.dtype != torch.bool:  # else _to_ort made a copy
+            self._made[name] = (t, key, value)
+        return value
+
+
 def _to_torch(v: ort.OrtValue, device: torch.device | None = None) -> torch.Tensor:
     """``v`` as a torch tensor (sharing its memory), on ``device`` when given: an output that
     a CUDA session computed on the host (a shape, a node without a CUDA kernel) is copied there."""
@@ -311,14 +334,19 @@ class GraphRunner:
     """Forward and backward onnxruntime sessions of one model whose inputs are all fed by the caller.
 
     ``feed_names``: the graph inputs, in the order the caller passes tensors (user inputs, then
-    weights); ``differentiable``: those to differentiate; ``outputs``: the model's own outputs.
-    With ``training=False`` one forward session is built.
+    weights); ``differentiable``: those to differentiate; ``outputs``: the model's own outputs;
+    ``state_names``: the feeds that are the same tensors on every call (weights, buffers: their
+    OrtValues are kept, see :class:`_OrtValues`). With ``training=False`` one forward session
+    is built.
     """
 
     def __init__(self, model: ir.Model, feed_names: list[str], differentiable: list[str],
                  outputs: list[str], *, training: bool, make_session: Any,
-                 save: Any = None, run_options: ort.RunOptions | None = None) -> None:
+                 save: Any = None, run_options: ort.RunOptions | None = None,
+                 state_names: Iterable[str] = ()) -> None:
         self.feed_names = feed_names
+        # feeds that are the same tensors on every call (weights, buffers): converted once
+        self.feeds = _OrtValues(state_names)
         self.run_options = run_options  # passed to every run of both sessions
         self.user_outputs = outputs
         self.seeds: dict[str, str] = {}
@@ -632,7 +660,8 @@ class _Engine:
                                   self.user_outputs, training=training,
                                   make_session=lambda m: _session(m, owner._threads, debug.ort_severity,
                                                                   device),
-                                  save=lambda m, stage: debug.save(m, stage, training))
+                                  save=lambda m, stage: debug.save(m, stage, training),
+                                  state_names=self.weights)
 
     def write_back(self, outputs: dict[str, ort.OrtValue], named: dict[str, torch.Tensor]) -> None:
         """Buffers the forward updated (training BatchNorm's running statistics, exposed as
@@ -671,7 +700,7 @@ class _Function(torch.autograd.Function):
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         devices = [t.device for t in tensors]  # each gradient goes where its input is
         device = devices[0] if devices else torch.device("cpu")
-        values = {n: _to_ort(t) for n, t in zip(runner.feed_names, tensors)}
+        values = {n: runner.feeds.get(n, t) for n, t in zip(runner.feed_names, tensors)}
         _sync(device)
         kept = runner.run_forward(values)
         if after_forward is not None:
@@ -689,6 +718,10 @@ class _Function(torch.autograd.Function):
                 saved_names.append(name)
                 saved.append(as_output[name] if name in as_output else _to_torch(kept[name]))
         ctx.save_for_backward(*saved)
+        # The same memory as OrtValues, for the first backward (no conversion back); dropped
+        # there, so that what torch frees after the backward is freed (a retained graph's next
+        # backward converts the saved tensors).
+        ctx.ort_values = [kept[n] if n in kept else values[n] for n in saved_names]
         ctx.runner, ctx.saved_names = runner, saved_names
         ctx.devices = devices
         ctx.shapes = [(r.shape, r.dtype) for r in results]
@@ -704,7 +737,9 @@ class _Function(torch.autograd.Function):
                                "torch.autograd.grad(..., create_graph=True)) is not supported: its "
                                "backward runs in onnxruntime and has no gradient of its own")
         runner: GraphRunner = ctx.runner
-        stash = {n: _to_ort(t) for n, t in zip(ctx.saved_names, ctx.saved_tensors)}
+        saved = ctx.saved_tensors  # torch's error if one was modified in place since the forward
+        ort_values, ctx.ort_values = ctx.ort_values, None
+        stash = dict(zip(ctx.saved_names, ort_values if ort_values is not None else map(_to_ort, saved)))
         device = ctx.devices[0] if ctx.devices else torch.device("cpu")
         seeds = {}
         for name, g, (shape, dtype) in zip(runner.user_outputs, grad_outputs, ctx.shapes):
@@ -876,7 +911,7 @@ class ORTModule(torch.nn.Module):
             outs = apply_runner(engine.runner, feeds, lambda kept: engine.write_back(kept, named))
         else:
             runner = engine.runner
-            values = {n: _to_ort(t) for n, t in zip(runner.feed_names, feeds)}
+            values = {n: runner.feeds.get(n, t) for n, t in zip(runner.feed_names, feeds)}
             _sync(engine.device)
             kept = runner.run_forward(values)
             engine.write_back(kept, named)  # a train-mode BatchNorm under no_grad updates its statistics
