@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gradgraph.torch import ORTModule  # noqa: E402
+from gradgraph.torch.export import ExportFailed  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -487,9 +488,38 @@ def test_a_data_dependent_branch_is_not_frozen_by_the_tracer():
             return x * 2 if x.sum() > 0 else x * -1
 
     ref, mine = _pair(Branch(), fallback="warn")
-    with pytest.warns(RuntimeWarning, match="froze a data-dependent"):
+    with pytest.warns(RuntimeWarning, match="froze a data-dependent") as caught:
         mine(torch.ones(3))
     _close(mine(-torch.ones(3)), ref(-torch.ones(3)))
+    # each exporter's reason is its error's informative line (torch.export's exception summary,
+    # the tracer's warning with where it was raised), not a heading such as "The following call
+    # raised this error:"; with fallback="raise" the first exporter's error is the cause
+    message = str(caught[0].message)
+    assert "dynamo: TorchExportError: GuardOnDataDependentSymNode: Could not guard on data-dependent" in message
+    assert "raised this error" not in message
+    assert "into the graph at test_ortmodule_semantics.py:" in message
+    with pytest.raises(ExportFailed) as raised:
+        ORTModule(Branch(), fallback="raise")(torch.ones(3))
+    assert type(raised.value.__cause__).__name__ == "TorchExportError"
+
+
+def test_a_failed_export_prints_nothing_and_names_the_unsupported_op(capfd):
+    """The TorchScript exporter's C++ code prints its whole graph to the process's stdout when
+    it fails: captured, the warning names the op."""
+
+    class CumProd(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.cumprod(torch.sigmoid(self.lin(x)), -1).mean()
+
+    capfd.readouterr()
+    with pytest.warns(RuntimeWarning, match=r"No ONNX function found for <OpOverload\(op='prims.prod'"):
+        ORTModule(CumProd())(torch.randn(2, 8)).backward()
+    out, err = capfd.readouterr()
+    assert "Torch IR graph" not in out + err and "aten::cumprod" not in out + err, (out + err)[:500]
 
 
 @pytest.mark.parametrize("make", ["linear_3d", "lstm_linear"])
@@ -974,3 +1004,62 @@ def test_replacing_a_hook_by_another_is_seen():
         for m in (ref, mine.module):  # as many hooks as before, another one
             m.lin.register_forward_hook(lambda mod, args, out: out - 1)
         _close(mine(x), ref(x), "after replacing the hook")
+
+
+class _FunctionalFrequencyEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(5, 3))
+
+    def forward(self, ids):
+        return torch.nn.functional.embedding(ids, self.weight, scale_grad_by_freq=True)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.nn.Embedding(5, 3, scale_grad_by_freq=True),
+    _FunctionalFrequencyEmbedding,
+    lambda: torch.nn.EmbeddingBag(5, 3, mode="sum", scale_grad_by_freq=True),
+], ids=["Embedding", "F.embedding", "EmbeddingBag"])
+def test_a_frequency_scaled_embedding_gradient_falls_back_naming_the_option(make):
+    """scale_grad_by_freq divides each row's gradient by its index's count; the exporters drop
+    it (the graph's gradient was that many times torch's, without a word): the signature runs
+    in PyTorch, the warning names the option, the gradient is torch's; eval without grad still
+    runs in onnxruntime."""
+    torch.manual_seed(0)
+    ref, mine = _pair(make(), fallback="warn")
+    ids = torch.tensor([[1, 1, 1, 2], [1, 3, 3, 4]])
+    with pytest.warns(RuntimeWarning, match=r"scale_grad_by_freq=True\): torch divides each row"):
+        out = mine(ids)
+    out.square().sum().backward()
+    ref(ids).square().sum().backward()
+    _grads_equal(ref, mine.module)
+    mine.eval()
+    ref.eval()
+    with torch.no_grad():
+        _close(mine(ids), ref(ids), "eval")
+    assert [e for e in mine._engines.values() if e is not None], "eval did not run in onnxruntime"
+
+
+def test_the_torchscript_exporter_keeps_each_submodules_mode():
+    """A training model with a frozen (eval-mode) BatchNorm exported by the TorchScript
+    exporter: the BatchNorm is exported with its running statistics, as it computes, and every
+    submodule keeps its mode afterwards (TrainingMode.TRAINING set them all to training)."""
+    from gradgraph.torch.export import export_call
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(),
+                                torch.nn.Linear(6, 2))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2.0)
+    model.train()
+    model[1].eval()
+    x = torch.randn(8, 4)
+    exported = export_call(model, (x,), {}, training=True, exporter="legacy")
+    assert [m.training for m in model.modules()] == [True, True, False, True, True]
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(exported.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {exported.input_names[0]: x.numpy()}
+    got = session.run(None, feeds)[0]
+    np.testing.assert_allclose(got, model(x).detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -35,6 +35,10 @@ Exporter traps (torch 2.13), handled here:
    values (torch: zeros; left-padded batches have such rows): :func:`attention_translation`.
 8. torchlib writes EmbeddingBag as a Loop over a sequence, which has no gradient here:
    :func:`embedding_bag_translation` writes it with scatters.
+9. options that only change torch's gradient have no ONNX form, and both exporters drop them
+   silently: ``embedding`` / ``embedding_bag`` with ``scale_grad_by_freq=True`` (each row's
+   gradient divided by its index's count in the batch). With ``stop_gradients=True`` the probe
+   run sees such a call and the export is refused, naming it.
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ import dataclasses
 import io
 import os
 import re
+import sys
 import tempfile
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -110,6 +116,7 @@ class _StopGradientWatch(TorchFunctionMode):
         super().__init__()
         self._stopped: dict[int, weakref.ref] = {}
         self.reads: list[str] = []
+        self.gradient_only: list[str] = []  # calls with an option only torch's gradient has (trap 9)
 
     def _is_stopped(self, t: torch.Tensor) -> bool:
         ref = self._stopped.get(id(t))
@@ -126,6 +133,8 @@ class _StopGradientWatch(TorchFunctionMode):
         out = func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         name = getattr(func, "__name__", None) or str(func)
+        if grad_on and _scales_grad_by_freq(func, args, kwargs):
+            self.gradient_only.append(f"{name}(scale_grad_by_freq=True)")
         if (name in ("detach", "detach_") or func == _DATA_GET) and tensors and tensors[0].requires_grad:
             self._stop(out)
             return out
@@ -140,6 +149,20 @@ class _StopGradientWatch(TorchFunctionMode):
 
 
 _DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+# positions of the weight and of ``scale_grad_by_freq`` among each embedding call's arguments
+_FREQ_ARGS = {torch.nn.functional.embedding: (1, 5), torch.embedding: (0, 3),
+              torch.nn.functional.embedding_bag: (1, 5), torch.embedding_bag: (0, 3)}
+
+
+def _scales_grad_by_freq(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Is this an embedding call whose weight gets a frequency-scaled gradient (trap 9)?"""
+    positions = _FREQ_ARGS.get(func)
+    if positions is None:
+        return False
+    weight_at, scaled_at = positions
+    weight = kwargs.get("weight", args[weight_at] if len(args) > weight_at else None)
+    scaled = kwargs.get("scale_grad_by_freq", args[scaled_at] if len(args) > scaled_at else False)
+    return bool(scaled) and isinstance(weight, torch.Tensor) and weight.requires_grad
 
 
 class _Flat(torch.nn.Module):
@@ -148,6 +171,9 @@ class _Flat(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, in_spec: Any, constants: dict[int, Any]) -> None:
         super().__init__()
         self.module = module
+        # the wrapper's own flag as the module's (not ``train()``: that would set every submodule),
+        # so that the TorchScript exporter's PRESERVE mode exports the modules as they are
+        self.training = module.training
         self._in_spec = in_spec
         self._constants = constants  # leaves that are not tensors, by position
         self.out_spec: Any = None
@@ -184,21 +210,29 @@ _TAILS = ("Please feel free", "Please report", " [Caused by", "See the stack tra
 _KEYS = ("Unsupported", "not supported", "No ONNX function", "No decompositions", "unsupported")
 
 
+# torch.export's summary line: "<class 'torch.fx....GuardOnDataDependentSymNode'>: Could not ..."
+_CLASS_LINE = re.compile(r"^<class '(?:[\w.]+\.)?(\w+)'>:\s*")
+_CLASS_NAME = re.compile(r"^\w+(Error|Exception|Node|Failure): ")
+
+
 def _reason(exc: BaseException) -> str:
     """One readable line of an exporter's error: no colour codes or boilerplate, the line that
-    says what is unsupported, else the last that names an error."""
+    says what is unsupported, else torch.export's exception summary, else the last that names
+    an error; a heading (a line ending in ':') or a stack line is not a reason."""
     lines = []
     for line in str(exc).splitlines():
         line = _ANSI.sub("", line).strip()
-        if not line or any(b in line for b in _BOILERPLATE):
+        if not line or any(b in line for b in _BOILERPLATE) or line.endswith(":") or line.startswith("File \""):
             continue
         for tail in _TAILS:
             line = line.split(tail)[0].strip()
         if line:
-            lines.append(line)
+            lines.append(_CLASS_LINE.sub(lambda m: f"{m.group(1)}: ", line))
     keyed = [line for line in lines if any(k in line for k in _KEYS)]
+    summary = [line for line in lines if _CLASS_NAME.match(line)]
     named = [line for line in lines if "Error" in line or "error" in line]
-    return (keyed[0] if keyed else named[-1] if named else lines[0] if lines else "")[:300]
+    best = keyed[0] if keyed else summary[0] if summary else named[-1] if named else lines[0] if lines else ""
+    return best if len(best) <= 400 else best[:397] + "..."
 
 
 def _plain(out: Any) -> Any:
@@ -398,6 +432,7 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
     # Exporting runs the module (tracing, and once here for the output structure): a train-mode
     # BatchNorm would update its running statistics. The buffers are put back afterwards.
     saved = snapshot_buffers(module)
+    modes = [(m, m.training) for m in module.modules()]  # as they are, whatever an exporter does
     try:
         # the probe sees which inputs require grad (trap 5)
         probe_inputs = tuple(t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
@@ -409,6 +444,8 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
         return exported
     finally:
         restore_buffers(module, saved)
+        for m, mode in modes:
+            m.training = mode
 
 
 def snapshot_buffers(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -449,6 +486,11 @@ def _probe(module: torch.nn.Module, flat: _Flat, tensors: tuple,
             f"the forward updates the parameter {updated[0]!r} in place (e.g. Embedding(max_norm=...) "
             "renormalizes its weight): the ONNX graph cannot write a parameter; this call ran once "
             "in PyTorch to find it")
+    if watch.gradient_only:
+        raise ExportFailed(
+            f"the forward calls {watch.gradient_only[0]}: torch divides each row's weight gradient "
+            "by how often its index occurs in the batch, which an ONNX graph cannot express (both "
+            "exporters drop the option); this signature cannot be exported for training")
     if watch.reads:
         raise StopsGradient(
             f"the forward stops a gradient (.detach(), .data or torch.no_grad()) of a value that "
@@ -468,6 +510,7 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
                   order: list[str], training: bool, opset: int,
                   dynamic: list[dict[int, str]] | None) -> ExportedCall:
     errors = []
+    first: BaseException | None = None  # the first exporter's exception: the raised one's cause
     for which in order:
         if which == "legacy" and flat.mutations:
             errors.append(f"legacy: the forward updates the buffers {flat.mutations} in place, which the "
@@ -477,6 +520,7 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
             model = _export(flat, tensors, input_names, which, training, opset, dynamic)
         except Exception as exc:  # noqa: BLE001 - each exporter's reason is reported
             errors.append(f"{which}: {type(exc).__name__}: {_reason(exc)}")
+            first = first or exc
             continue
         # every alias of a tied parameter (the exporter may name it by any of them)
         names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
@@ -491,14 +535,36 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
         return ExportedCall(model, [i.name for i in model.graph.input if i.name in set(input_names)],
                             [o.name for o in model.graph.output], flat.out_spec, params, buffers, which,
                             list(flat.mutations), output_nones=list(flat.out_nones))
-    raise ExportFailed("torch.onnx.export failed: " + "; ".join(errors))
+    raise ExportFailed("torch.onnx.export failed: " + "; ".join(errors)) from first
+
+
+@contextlib.contextmanager
+def _quiet_fds() -> Iterator[None]:
+    """File descriptors 1 and 2 into a temporary file while the block runs: the TorchScript
+    exporter's C++ code prints its whole graph to them when it fails ("Torch IR graph at
+    exception"), past ``contextlib.redirect_stdout``; the exception says what failed."""
+    saved: list[tuple[int, int]] = []
+    with tempfile.TemporaryFile() as sink:
+        for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+            try:
+                stream.flush()
+                saved.append((fd, os.dup(fd)))
+                os.dup2(sink.fileno(), fd)
+            except (OSError, ValueError):  # no such descriptor (an embedded interpreter): left as is
+                continue
+        try:
+            yield
+        finally:
+            for fd, copy in saved:
+                os.dup2(copy, fd)
+                os.close(copy)
 
 
 def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training: bool,
             opset: int, dynamic: list[dict[int, str]] | None) -> onnx.ModelProto:
     sink = io.StringIO()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as caught, \
-            contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), _quiet_fds():
         warnings.simplefilter("always")
         path = os.path.join(tmp, "model.onnx")
         if which == "dynamo":
@@ -515,19 +581,23 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
                 raise ExportFailed("torch.onnx.export(dynamo=True) returned no program")
             program.save(path, external_data=False)
         elif which == "legacy":
-            mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+            # PRESERVE: TRAINING / EVAL would set every submodule to one mode (a frozen BatchNorm
+            # in eval mode inside a training model exported in training mode), and afterwards set
+            # them all to the wrapper's mode
+            mode = torch.onnx.TrainingMode.PRESERVE
             axes = {n: dict(d) for n, d in zip(names, dynamic or []) if d} or None
             torch.onnx.export(flat, tensors, path, input_names=names, dynamo=False, training=mode,
                               do_constant_folding=False, opset_version=opset, dynamic_axes=axes)
             # The tracer records one path through the code: a Python branch or value taken from
             # a tensor's data is frozen into the graph (it warns "might cause the trace to be
             # incorrect"); such a graph is wrong for other inputs, so it is refused.
-            frozen = [str(w.message).splitlines()[0] for w in caught
-                      if issubclass(w.category, torch.jit.TracerWarning)
+            frozen = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)
                       and "might cause the trace to be incorrect" in str(w.message)]
             if frozen:
+                first = str(frozen[0].message).splitlines()[0].split(". ")[0]
                 raise ExportFailed(f"the TorchScript tracer froze a data-dependent value or branch "
-                                   f"into the graph ({frozen[0][:160]})")
+                                   f"into the graph at {os.path.basename(frozen[0].filename)}:"
+                                   f"{frozen[0].lineno} ({first})")
         else:
             raise ValueError(f"exporter must be 'auto', 'dynamo' or 'legacy', not {which!r}")
         model = onnx.load(path)
