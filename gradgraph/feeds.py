@@ -62,6 +62,8 @@ def load_npz(path: str, what: str = "inputs file") -> dict[str, np.ndarray]:
     """The arrays of an ``.npz`` archive; a missing or unreadable file is an :class:`InputError`."""
     from pathlib import Path
 
+    if Path(path).is_dir():
+        raise InputError(f"{what} {path!r} is a folder; name the .npz file")
     if not Path(path).is_file():
         raise InputError(f"{what} {path!r} does not exist")
     with open(path, "rb") as f:

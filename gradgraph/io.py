@@ -81,6 +81,8 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
             raise GradientError(f"the bytes given are not a serialized ONNX model ({exc})") from exc
         return _from_proto(proto, "the model")
     path = Path(model)
+    if path.is_dir():
+        raise GradientError(f"model file {str(path)!r} is a folder; name the .onnx file in it")
     if not path.is_file():
         raise GradientError(f"model file {str(path)!r} does not exist")
     try:

@@ -62,6 +62,15 @@ def test_a_folder_as_output_file(tmp_path: Path, capsys) -> None:
     assert "is a folder" in line and ".tmp" not in line
 
 
+def test_a_folder_as_model_or_data_file(tmp_path: Path, capsys) -> None:
+    assert cli_main(["grad", str(tmp_path), "--loss", "loss", "-o", str(tmp_path / "g.onnx")]) == 2
+    line = _error(capsys.readouterr().err, "grad")
+    assert "is a folder; name the .onnx file in it" in line and "does not exist" not in line
+    assert cli_main(_train(tmp_path, "--steps", "2")) == 2
+    line = _error(capsys.readouterr().err, "train")
+    assert "is a folder; name the .npz file" in line
+
+
 @pytest.mark.parametrize("content, said", [(b"garbage", "is not an .npz archive"),
                                            (None, "is one .npy array, not an .npz archive")])
 def test_a_data_file_that_is_not_an_npz(tmp_path: Path, content: bytes | None, said: str, capsys) -> None:

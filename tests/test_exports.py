@@ -131,6 +131,32 @@ def test_cli_list_weights_and_unknown_names(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "g.onnx").exists()
 
 
+def test_a_parameter_the_exporter_dropped_is_not_called_folded(tmp_path: Path) -> None:
+    """torch 2.13's dynamo export of LSTM(proj_size=...) has no projection weight (optimize=False
+    or not): the refusal says the exporter dropped it, instead of advising optimize=False for
+    an export that already used it."""
+
+    class ProjectedLSTM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(8, 16, batch_first=True, proj_size=4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lstm(x)[0].pow(2).mean()
+
+    torch.manual_seed(0)
+    path = tmp_path / "lstm.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(ProjectedLSTM(), (torch.randn(3, 7, 8),), str(path), input_names=["x"],
+                          output_names=["loss"], optimize=False)
+    with pytest.raises(gradgraph.GradientError) as raised:
+        gradgraph.build_gradient_graph(str(path), loss="loss")
+    message = str(raised.value)
+    assert "no initializer for torch parameter(s) ['lstm.weight_hr_l0']" in message
+    assert "torch's exporter dropped them" in message and "optimizer folded" not in message
+
+
 class ConvBN(nn.Module):
     def __init__(self) -> None:
         super().__init__()

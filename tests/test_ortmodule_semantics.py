@@ -1063,3 +1063,19 @@ def test_the_torchscript_exporter_keeps_each_submodules_mode():
     feeds = {exported.input_names[0]: x.numpy()}
     got = session.run(None, feeds)[0]
     np.testing.assert_allclose(got, model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_export_that_already_fails_in_onnxruntime_is_named_as_the_cause():
+    """torch 2.13's dynamo export of LSTM(proj_size=...) drops the projection weight (the ONNX
+    LSTM then reads a cell state of the wrong size): the gradient graph's session failed with a
+    shape error in a gradient node, which named the wrong culprit. The fallback now says that
+    the exporter's own graph fails, and the module trains in PyTorch."""
+    torch.manual_seed(0)
+    ref, mine = _pair(torch.nn.LSTM(8, 16, batch_first=True, proj_size=4), fallback="warn")
+    x = torch.randn(3, 7, 8)
+    with pytest.warns(RuntimeWarning, match=r"exporter's graph of this call already fails in onnxruntime, "
+                                            r"before any gradient \(.*initial_c"):
+        out, _ = mine(x)
+    out.sum().backward()
+    ref(x)[0].sum().backward()
+    _grads_equal(ref, mine.module)

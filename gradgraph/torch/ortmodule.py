@@ -58,7 +58,13 @@ from torch.utils import _pytree as pytree
 
 from gradgraph.compat import inference_session
 from gradgraph.io import save_model
-from gradgraph.torch.export import ExportedCall, export_call, restore_buffers, snapshot_buffers
+from gradgraph.torch.export import (
+    ExportedCall,
+    ExportFailed,
+    export_call,
+    restore_buffers,
+    snapshot_buffers,
+)
 from gradgraph.training.ort_state import release_free_memory
 from passes.autodiff import GradientOptions
 from passes.autodiff.engine import FLOAT_TYPES
@@ -656,12 +662,33 @@ class _Engine:
         self.first_run = True  # ORTModule._first_run checks it against PyTorch
         # plain attributes the forward set while exporting (warned about after the first run)
         self.changed_attrs: dict[tuple[int, str], tuple[str, Any, Any]] = {}
-        self.runner = GraphRunner(model, self.input_names + list(self.weights), grad_inputs + grad_weights,
-                                  self.user_outputs, training=training,
-                                  make_session=lambda m: _session(m, owner._threads, debug.ort_severity,
-                                                                  device),
-                                  save=lambda m, stage: debug.save(m, stage, training),
-                                  state_names=self.weights)
+        try:
+            self.runner = GraphRunner(model, self.input_names + list(self.weights), grad_inputs + grad_weights,
+                                      self.user_outputs, training=training,
+                                      make_session=lambda m: _session(m, owner._threads, debug.ort_severity,
+                                                                      device),
+                                      save=lambda m, stage: debug.save(m, stage, training),
+                                      state_names=self.weights)
+        except Exception as exc:
+            raise self.explain(exc, tensor_inputs) from exc
+
+    def explain(self, exc: Exception, tensor_inputs: list[torch.Tensor]) -> Exception:
+        """``exc`` (building or first running the graphs failed), or, where the exporter's own
+        graph already fails in onnxruntime on these inputs, an :class:`ExportFailed` saying so:
+        the cause is the export (a dropped parameter, a wrong shape), not the gradient."""
+        try:
+            quiet = ort.SessionOptions()
+            quiet.log_severity_level = 4  # its failure is reported here, not logged
+            session = inference_session(self.exported.model, quiet, providers=["CPUExecutionProvider"])
+            names = {i.name for i in session.get_inputs()}
+            session.run(None, {n: t.detach().cpu().numpy() for n, t in zip(self.input_names, tensor_inputs)
+                               if n in names})
+        except Exception as broken:  # noqa: BLE001 - the reason is reported
+            first = str(broken).strip().splitlines()[0] if str(broken).strip() else type(broken).__name__
+            return ExportFailed(f"the {self.exported.exporter} exporter's graph of this call already fails "
+                                f"in onnxruntime, before any gradient ({first[:300]}): torch.onnx.export "
+                                f"does not translate this module correctly")
+        return exc
 
     def write_back(self, outputs: dict[str, ort.OrtValue], named: dict[str, torch.Tensor]) -> None:
         """Buffers the forward updated (training BatchNorm's running statistics, exposed as
@@ -939,6 +966,8 @@ class ORTModule(torch.nn.Module):
                         "the forward")
         except Exception as exc:  # noqa: BLE001 - as a failed build
             restore_buffers(self.module, saved)  # as they were before this call
+            if not isinstance(exc, OutputMismatch):
+                exc = engine.explain(exc, tensors)
             self._fail(exc)
             for k in [k for k, e in self._engines.items() if e is engine]:
                 self._engines[k] = None  # under its signatures before and after the build

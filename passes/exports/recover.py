@@ -46,6 +46,8 @@ class RecoverParametersPass(InPlacePass):
         super().__init__()
         self.strict = strict
         self.lost: list[str] = []
+        self.dropped: list[str] = []  # lost ones no folded constant names (see _find_lost)
+        self.optimized = False  # the export has folded constants (its optimizer ran)
         self.fused: set[str] = set()
         self.recovered: dict[str, str] = {}  # parameter -> how
 
@@ -63,9 +65,20 @@ class RecoverParametersPass(InPlacePass):
         if self.lost:
             graph.metadata_props[LOST_KEY] = ",".join(self.lost)
         if self.lost and self.strict:
-            raise GradientError(
-                f"the exporter's optimizer folded torch parameter(s) {self.lost} into other "
-                f"constants in a way gradgraph cannot undo; {REEXPORT_HINT}")
+            folded = [p for p in self.lost if p not in self.dropped]
+            reasons = []
+            if folded:
+                reasons.append(f"the exporter's optimizer folded torch parameter(s) {folded} into "
+                               f"other constants in a way gradgraph cannot undo; {REEXPORT_HINT}")
+            if self.dropped:
+                how = ("the exporter's optimizer may have folded them (re-export with "
+                       "torch.onnx.export(..., optimize=False)), or " if self.optimized else "")
+                reasons.append(f"the export has no initializer for torch parameter(s) {self.dropped} "
+                               f"that its torch calls read and no folded constant names them: {how}"
+                               "torch's exporter dropped them (its ONNX form of the call does not "
+                               "use them: try the other exporter, dynamo=True or False); or name "
+                               "the weights to train explicitly")
+            raise GradientError("; ".join(reasons))
         return PassResult(model, modified)
 
     def _untranspose(self, graph: ir.Graph, placeholders: dict[str, str], missing: set[str]) -> bool:
@@ -188,3 +201,8 @@ class RecoverParametersPass(InPlacePass):
                 # this use would get no gradient
                 refolded.extend(s for s in sources if s in parameters and s in graph.initializers)
         self.lost = sorted((missing & named) | set(refolded) | self.fused)
+        # lost without a trace of folding: no folded constant names them (the exporter's
+        # translation of their call dropped them, e.g. LSTM(proj_size=...)'s projection)
+        folded_sources = {s for value in graph.initializers.values() for s in folded_from(value)}
+        self.dropped = sorted(p for p in self.lost if p in missing and p not in folded_sources)
+        self.optimized = bool(folded_sources)
