@@ -672,6 +672,30 @@ def test_input_error_is_a_gradient_error() -> None:
     assert isinstance(info.value, InputError) and session.micro_step == 0
 
 
+def test_feeds_the_training_graph_does_not_take_are_refused() -> None:
+    """A misspelled or extra feed was ignored (onnxruntime's binding never saw it); a weight fed
+    by name was ignored too (the session feeds what it holds). Both are refused, named."""
+    session = _session()
+    feeds = {**_feeds(), "z": np.zeros(3, np.float32)}
+    with pytest.raises(InputError, match=r"train_step got feeds \['z'\] that the training graph does not take"):
+        session.train_step(feeds, lr=1e-2)
+    weight = session.artifacts.params[0]
+    with pytest.raises(InputError, match=rf"\['{weight}'\] are held by the session"):
+        session.train_step({**_feeds(), weight: np.zeros(1, np.float32)}, lr=1e-2)
+    assert session.micro_step == 0 and session.step == 0
+
+
+def test_a_misspelled_parameter_group_override_is_named() -> None:
+    """ParamGroup(("*.bias",), {"wd": 0.0}): a GradientError naming the group and the config's
+    fields when the config is made (was a TypeError from dataclasses.replace, only where the
+    group matched a weight)."""
+    group = gradgraph.ParamGroup(("no_such_weight*",), {"wd": 0.0})
+    with pytest.raises(GradientError, match=r"ParamGroup 0 \('no_such_weight\*',\) overrides \['wd'\], "
+                                            r"which AdamWConfig does not have; its fields are \['beta1'"):
+        gradgraph.TrainingConfig(loss="loss", optimizer=gradgraph.AdamWConfig(),
+                                 update=gradgraph.UpdateOptions(groups=(group,)))
+
+
 def test_onnxruntime_does_not_log_its_own_error_line(tmp_path: Path) -> None:
     """Labels out of range: onnxruntime's "[E:onnxruntime:...]" log line is not printed
     before gradgraph's one-line error (sessions log fatal messages only by default)."""

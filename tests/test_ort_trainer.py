@@ -125,6 +125,20 @@ def test_invalid_model_desc(desc, match):
         ORTTrainer(_mlp(), desc, optim.SGDConfig(), options=CPU)
 
 
+def test_inputs_unlike_model_desc_are_named():
+    """Inputs whose rank, fixed size or symbolic size disagrees with model_desc: a ValueError
+    naming the input (was torch's matmul error from inside the export)."""
+    trainer = _trainer(optim.SGDConfig(lr=0.1))
+    y = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"input 'x' has shape \[4, 5\]; model_desc says \['batch', 6\] "
+                                         r"\(axis 1 must be 6\)"):
+        trainer.train_step(torch.randn(4, 5), y)
+    with pytest.raises(ValueError, match=r"input 'x' has shape \[4, 6, 1\] \(rank 3\)"):
+        trainer.train_step(torch.randn(4, 6, 1), y)
+    with pytest.raises(ValueError, match=r"input 'y' has 'batch' = 3 \(axis 0\) but input 'x' has 'batch' = 4"):
+        trainer.train_step(torch.randn(4, 6), y[:3])
+
+
 def test_optimizer_config_checks():
     with pytest.raises(ValueError, match="'lr' is not supported inside a parameter group"):
         optim.AdamConfig([{"params": ["0.weight"], "lr": 0.1}])

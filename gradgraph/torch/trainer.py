@@ -453,6 +453,21 @@ class ORTTrainer:
             raise ValueError(f"inputs {missing} are missing (model_desc inputs: {names})")
         tensors = [given[n] if isinstance(given[n], torch.Tensor) else torch.as_tensor(np.asarray(given[n]))
                    for n in names]
+        sizes: dict[str, tuple[str, int]] = {}  # a symbolic dimension's size, and who set it
+        for desc, t in zip(self.model_desc.inputs, tensors):
+            got = list(t.shape)
+            if len(got) != len(desc.shape):
+                raise ValueError(f"input {desc.name!r} has shape {got} (rank {len(got)}); model_desc "
+                                 f"says {desc.shape} (rank {len(desc.shape)})")
+            for axis, (n, dim) in enumerate(zip(got, desc.shape)):
+                if isinstance(dim, str):
+                    first = sizes.setdefault(dim, (desc.name, n))
+                    if first[1] != n:
+                        raise ValueError(f"input {desc.name!r} has {dim!r} = {n} (axis {axis}) but input "
+                                         f"{first[0]!r} has {dim!r} = {first[1]}: model_desc names one size")
+                elif n != dim:
+                    raise ValueError(f"input {desc.name!r} has shape {got}; model_desc says {desc.shape} "
+                                     f"(axis {axis} must be {dim})")
         feeds = {n: t.detach().cpu().numpy() for n, t in zip(names, tensors)}
         return feeds, tensors
 

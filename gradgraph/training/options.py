@@ -19,6 +19,7 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 from passes.optimizer import AdamWConfig
+from passes.optimizer.base import check_groups
 from passes.optimizer.optimizer_pass import LossScaleSettings, OptimizerSettings, UpdateOptions
 
 if TYPE_CHECKING:
@@ -116,6 +117,10 @@ class TrainingConfig:
     graph_transformer: GraphTransformerOptions = GraphTransformerOptions()
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
     debug: DebugOptions = DebugOptions()
+
+    def __post_init__(self) -> None:
+        if dataclasses.is_dataclass(self.optimizer) and isinstance(self.update, UpdateOptions):
+            check_groups(self.optimizer, self.update.groups)  # a misspelled override, named
 
     def optimizer_settings(self) -> OptimizerSettings:
         update = self.update

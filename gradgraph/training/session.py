@@ -277,6 +277,13 @@ class TrainingSession:
             feeds[names.reset] = np.array(self.micro_step == 0)
         runner = self._train if applying else self._accumulate
         assert runner is not None  # accumulation_steps > 1 builds the accumulate graph
+        extra = sorted(set(feeds) - set(runner.feed_names) - {names.reset, names.learning_rate})
+        if extra:  # the CLI refuses such arrays too; onnxruntime's binding would ignore them
+            held = [n for n in extra if n in runner.held_inputs]
+            raise InputError(f"train_step got feeds {extra} that the training graph does not take "
+                             f"(its inputs: {list(runner.feed_names)})"
+                             + (f"; {held} are held by the session (weights, optimizer state): set "
+                                "them with load_state_dict or load_checkpoint" if held else ""))
         if applying:
             lr = lr if lr is not None else feeds.get(names.learning_rate, self.learning_rate)
             if lr is None:

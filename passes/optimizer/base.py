@@ -153,6 +153,22 @@ class ParamGroup:
         return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
 
+def check_groups(config: Any, groups: tuple[ParamGroup, ...]) -> None:
+    """Every override of every group names a field of ``config`` and gives it a valid value
+    (checked whether or not the group matches a weight): a :class:`GradientError` naming the
+    group and the field otherwise."""
+    fields = [f.name for f in dataclasses.fields(config)]
+    for index, group in enumerate(groups):
+        unknown = [k for k in group.overrides if k not in fields]
+        if unknown:
+            raise GradientError(f"ParamGroup {index} {tuple(group.patterns)!r} overrides {unknown}, which "
+                                f"{type(config).__name__} does not have; its fields are {fields}")
+        try:
+            dataclasses.replace(config, **dict(group.overrides))
+        except GradientError as exc:
+            raise GradientError(f"ParamGroup {index} {tuple(group.patterns)!r}: {exc}") from exc
+
+
 def resolve(config: Any, groups: tuple[ParamGroup, ...], name: str) -> tuple[Any, float]:
     """The config and learning-rate scale that apply to weight ``name``."""
     for group in groups:

@@ -56,6 +56,7 @@ from passes.marks import OUTPUT_KEY, STAGE_KEY, OutputRole, Role
 from passes.optimizer import ParamGroup, StepScalars, resolve, rule_for
 from passes.optimizer.base import (
     check_count,
+    check_groups,
     check_number,
     finite_witness,
     flatten_join,
@@ -184,6 +185,7 @@ class OptimizerPass(InPlacePass):
     def __init__(self, settings: OptimizerSettings, gradients: Mapping[str, ir.Value],
                  apply: bool = True, loss: ir.Value | None = None) -> None:
         super().__init__()
+        check_groups(settings.optimizer, settings.update.groups)
         self.settings = settings
         self.gradients = dict(gradients)
         self.apply = apply
