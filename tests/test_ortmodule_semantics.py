@@ -1079,3 +1079,53 @@ def test_an_export_that_already_fails_in_onnxruntime_is_named_as_the_cause():
     out.sum().backward()
     ref(x)[0].sum().backward()
     _grads_equal(ref, mine.module)
+
+
+def test_kept_weight_ortvalues_go_with_their_tensors_and_a_left_signature():
+    """The OrtValues kept for weights hold their memory: an entry goes when its tensor is
+    deleted (weights passed to a TorchOrtFactory class), and a signature ORTModule stops using
+    (the wrapped module cast to float64 behind its back) lets go of the old weights."""
+    import gc
+
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    model = ORTModule(inner)
+    model(torch.randn(5, 4)).sum().backward()
+    (first,) = [e for e in model._engines.values() if e is not None]
+    assert first.runner.feeds._made, "weights were not kept"
+    inner.double()  # not through ORTModule: its graphs are not cleared
+    ref = copy.deepcopy(inner)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    _close(model(x), ref(x), "after double()")
+    assert not first.runner.feeds._made, "the float32 signature still holds the float32 weights"
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from gradgraph.torch import TorchOrtFactory
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                              [onnx.numpy_helper.from_array(np.zeros((3, 4), np.float32), "w")])
+    fn = TorchOrtFactory(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                         ["w"]).create_class()
+    w = torch.randn(3, 4, requires_grad=True)
+    fn.apply(torch.randn(2, 3), w).sum().backward()
+    assert fn._runner.feeds._made
+    del w
+    gc.collect()
+    assert not fn._runner.feeds._made, "the deleted weight is still held"
+
+
+def test_saved_tensor_hooks_see_what_the_backward_reads():
+    """Under save_on_cpu (a saved-tensor hook) the backward reads the saved tensors the hooks
+    give back, not the forward's OrtValues: gradients as torch's."""
+    torch.manual_seed(0)
+    ref, mine = _pair(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)))
+    x = torch.randn(5, 4)
+    for m in (ref, mine):
+        with torch.autograd.graph.save_on_cpu():
+            out = m(x)
+        out.square().sum().backward()
+    _grads_equal(ref, mine.module)

@@ -542,12 +542,14 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
 def _quiet_fds() -> Iterator[None]:
     """File descriptors 1 and 2 into a temporary file while the block runs: the TorchScript
     exporter's C++ code prints its whole graph to them when it fails ("Torch IR graph at
-    exception"), past ``contextlib.redirect_stdout``; the exception says what failed."""
+    exception"), past ``contextlib.redirect_stdout``; the exception says what failed. Only
+    around that exporter (what other threads write meanwhile is lost too); not thread-safe."""
     saved: list[tuple[int, int]] = []
     with tempfile.TemporaryFile() as sink:
-        for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        for fd, stream in ((1, sys.__stdout__), (2, sys.__stderr__)):
             try:
-                stream.flush()
+                if stream is not None:
+                    stream.flush()  # what was written before goes where it was going
                 saved.append((fd, os.dup(fd)))
                 os.dup2(sink.fileno(), fd)
             except (OSError, ValueError):  # no such descriptor (an embedded interpreter): left as is
@@ -564,7 +566,7 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
             opset: int, dynamic: list[dict[int, str]] | None) -> onnx.ModelProto:
     sink = io.StringIO()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as caught, \
-            contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), _quiet_fds():
+            contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         warnings.simplefilter("always")
         path = os.path.join(tmp, "model.onnx")
         if which == "dynamo":
@@ -586,8 +588,9 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
             # them all to the wrapper's mode
             mode = torch.onnx.TrainingMode.PRESERVE
             axes = {n: dict(d) for n, d in zip(names, dynamic or []) if d} or None
-            torch.onnx.export(flat, tensors, path, input_names=names, dynamo=False, training=mode,
-                              do_constant_folding=False, opset_version=opset, dynamic_axes=axes)
+            with _quiet_fds():
+                torch.onnx.export(flat, tensors, path, input_names=names, dynamo=False, training=mode,
+                                  do_constant_folding=False, opset_version=opset, dynamic_axes=axes)
             # The tracer records one path through the code: a Python branch or value taken from
             # a tensor's data is frozen into the graph (it warns "might cause the trace to be
             # incorrect"); such a graph is wrong for other inputs, so it is refused.

@@ -44,6 +44,7 @@ import enum
 import logging
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -261,23 +262,56 @@ class _OrtValues:
     """OrtValues of the tensors a runner is fed on every call (a module's weights and buffers):
     each made once and reused while its feed is the same tensor over the same memory (an
     optimizer updates it in place, and onnxruntime reads that memory). A tensor replaced, its
-    data reassigned, moved or cast gets a new one; other feeds are converted on every call."""
+    data reassigned, moved or cast gets a new one; other feeds are converted on every call.
+
+    An entry holds its tensor weakly and goes when the tensor does (replicas made per call,
+    weights of a deleted model); its OrtValue holds the memory it was made from until then, or
+    until the next call of this runner replaces it, or :meth:`clear` (ORTModule clears the
+    runner it stops using, so a module moved to another device frees the old copy)."""
 
     def __init__(self, names: Iterable[str]) -> None:
         self.names = frozenset(names)
-        self._made: dict[str, tuple[torch.Tensor, tuple, ort.OrtValue]] = {}
+        self._made: dict[str, tuple[weakref.ref, tuple, ort.OrtValue]] = {}
 
     def get(self, name: str, t: torch.Tensor) -> ort.OrtValue:
         if name not in self.names:
             return _to_ort(t)
         key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
         made = self._made.get(name)
-        if made is not None and made[0] is t and made[1] == key:
+        if made is not None and made[0]() is t and made[1] == key:
             return made[2]
         value = _to_ort(t)
         if t.is_contiguous() and t.dtype != torch.bool:  # else _to_ort made a copy
-            self._made[name] = (t, key, value)
+            made_now: list[Any] = []
+
+            def gone(_: weakref.ref, name: str = name) -> None:
+                if made_now and self._made.get(name) is made_now[0]:
+                    del self._made[name]
+
+            entry = (weakref.ref(t, gone), key, value)
+            made_now.append(entry)
+            self._made[name] = entry
+        else:
+            self._made.pop(name, None)
         return value
+
+    def clear(self) -> None:
+        self._made.clear()
+
+
+def _saved_tensor_hooks() -> bool:
+    """Are torch's saved-tensor hooks on (``save_on_cpu``, non-reentrant checkpointing)? True
+    where this torch cannot say."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except Exception:  # noqa: BLE001 - a private function of torch: assume hooks
+        return True
+
+
+def _same_memory(value: ort.OrtValue, t: torch.Tensor) -> bool:
+    """Is ``t`` (a saved tensor, unpacked) the memory ``value`` reads, with its shape?"""
+    return (value.data_ptr() == t.data_ptr() and list(value.shape()) == list(t.shape)
+            and t.is_contiguous() and (value.device_name() == "cpu") == (t.device.type == "cpu"))
 
 
 def _to_torch(v: ort.OrtValue, device: torch.device | None = None) -> torch.Tensor:
@@ -670,21 +704,31 @@ class _Engine:
                                       save=lambda m, stage: debug.save(m, stage, training),
                                       state_names=self.weights)
         except Exception as exc:
-            raise self.explain(exc, tensor_inputs) from exc
+            explained = self.explain(exc, tensor_inputs)
+            if explained is exc:
+                raise
+            raise explained from exc
 
     def explain(self, exc: Exception, tensor_inputs: list[torch.Tensor]) -> Exception:
         """``exc`` (building or first running the graphs failed), or, where the exporter's own
-        graph already fails in onnxruntime on these inputs, an :class:`ExportFailed` saying so:
-        the cause is the export (a dropped parameter, a wrong shape), not the gradient."""
+        graph already fails in onnxruntime's CPU provider on these inputs, an
+        :class:`ExportFailed` saying so: the cause is the export (a dropped parameter, a wrong
+        shape), not the gradient. Inputs numpy cannot hold (bfloat16), and a kernel the CPU
+        provider lacks (float16 ops), say nothing about the export: ``exc`` stays."""
+        try:
+            feeds = {n: t.detach().cpu().numpy() for n, t in zip(self.input_names, tensor_inputs)}
+        except (TypeError, RuntimeError):
+            return exc
         try:
             quiet = ort.SessionOptions()
             quiet.log_severity_level = 4  # its failure is reported here, not logged
             session = inference_session(self.exported.model, quiet, providers=["CPUExecutionProvider"])
             names = {i.name for i in session.get_inputs()}
-            session.run(None, {n: t.detach().cpu().numpy() for n, t in zip(self.input_names, tensor_inputs)
-                               if n in names})
-        except Exception as broken:  # noqa: BLE001 - the reason is reported
+            session.run(None, {n: a for n, a in feeds.items() if n in names})
+        except Exception as broken:  # noqa: BLE001 - onnxruntime raises several types
             first = str(broken).strip().splitlines()[0] if str(broken).strip() else type(broken).__name__
+            if "Could not find an implementation" in first or "NOT_IMPLEMENTED" in first:
+                return exc
             return ExportFailed(f"the {self.exported.exporter} exporter's graph of this call already fails "
                                 f"in onnxruntime, before any gradient ({first[:300]}): torch.onnx.export "
                                 f"does not translate this module correctly")
@@ -745,10 +789,12 @@ class _Function(torch.autograd.Function):
                 saved_names.append(name)
                 saved.append(as_output[name] if name in as_output else _to_torch(kept[name]))
         ctx.save_for_backward(*saved)
-        # The same memory as OrtValues, for the first backward (no conversion back); dropped
-        # there, so that what torch frees after the backward is freed (a retained graph's next
-        # backward converts the saved tensors).
-        ctx.ort_values = [kept[n] if n in kept else values[n] for n in saved_names]
+        # What onnxruntime computed, as OrtValues, for the first backward (no conversion back);
+        # dropped there, so that what torch frees after the backward is freed (a retained
+        # graph's next backward converts the saved tensors). Not under saved-tensor hooks
+        # (offloading, checkpointing): those move or free the saved memory, which these would
+        # hold. The feeds go through the runner's kept OrtValues again.
+        ctx.ort_values = None if _saved_tensor_hooks() else {n: kept[n] for n in saved_names if n in kept}
         ctx.runner, ctx.saved_names = runner, saved_names
         ctx.devices = devices
         ctx.shapes = [(r.shape, r.dtype) for r in results]
@@ -765,8 +811,12 @@ class _Function(torch.autograd.Function):
                                "backward runs in onnxruntime and has no gradient of its own")
         runner: GraphRunner = ctx.runner
         saved = ctx.saved_tensors  # torch's error if one was modified in place since the forward
-        ort_values, ctx.ort_values = ctx.ort_values, None
-        stash = dict(zip(ctx.saved_names, ort_values if ort_values is not None else map(_to_ort, saved)))
+        ort_values, ctx.ort_values = ctx.ort_values or {}, None
+        stash = {}
+        for name, t in zip(ctx.saved_names, saved):
+            value = ort_values.get(name)
+            # the forward's OrtValue where the saved tensor is still that memory
+            stash[name] = value if value is not None and _same_memory(value, t) else runner.feeds.get(name, t)
         device = ctx.devices[0] if ctx.devices else torch.device("cpu")
         seeds = {}
         for name, g, (shape, dtype) in zip(runner.user_outputs, grad_outputs, ctx.shapes):
@@ -885,6 +935,11 @@ class ORTModule(torch.nn.Module):
             return self._run_in_torch(args, kwargs)
         self._tick += 1
         self._used[id(engine)] = self._tick
+        last = self.__dict__.get("_last_engine")
+        last = last() if last is not None else None
+        if last is not None and last is not engine:  # its kept OrtValues may hold memory the
+            last.runner.feeds.clear()                # module no longer uses (moved, cast, replaced)
+        self.__dict__["_last_engine"] = weakref.ref(engine)
         if engine.first_run:
             return self._first_run(engine, args, kwargs, tensors, named, training)
         return self._run(engine, tensors, named, training)
@@ -967,7 +1022,10 @@ class ORTModule(torch.nn.Module):
         except Exception as exc:  # noqa: BLE001 - as a failed build
             restore_buffers(self.module, saved)  # as they were before this call
             if not isinstance(exc, OutputMismatch):
-                exc = engine.explain(exc, tensors)
+                explained = engine.explain(exc, tensors)
+                if explained is not exc:
+                    explained.__cause__ = exc
+                exc = explained
             self._fail(exc)
             for k in [k for k, e in self._engines.items() if e is engine]:
                 self._engines[k] = None  # under its signatures before and after the build
@@ -995,6 +1053,7 @@ class ORTModule(torch.nn.Module):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
         state = dict(state)
         state["_engines"] = {}
+        state.pop("_last_engine", None)
         return state
 
     def _build(self, key: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor],

@@ -419,13 +419,14 @@ class ORTTrainer:
         """``debug.check_model_export``: torch (eval, no grad) against the ONNX eval graph."""
         assert self._torch_model is not None and self._session is not None
         module = self._torch_model if self.loss_fn is None else _WithLoss(self._torch_model, self.loss_fn)
-        was_training = module.training
+        modes = [(m, m.training) for m in module.modules()]  # each submodule's, not one for all
         module.eval()
         try:
             with torch.no_grad():
                 expected = torch.utils._pytree.tree_leaves(module(*tensors))
         finally:
-            module.train(was_training)
+            for m, mode in modes:
+                m.training = mode
         got = self._session.eval_step(feeds, [o.name for o in self.model_desc.outputs])
         for desc, want in zip(self.model_desc.outputs, expected):
             mine = got[desc.name]

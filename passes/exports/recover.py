@@ -72,7 +72,8 @@ class RecoverParametersPass(InPlacePass):
                                f"other constants in a way gradgraph cannot undo; {REEXPORT_HINT}")
             if self.dropped:
                 how = ("the exporter's optimizer may have folded them (re-export with "
-                       "torch.onnx.export(..., optimize=False)), or " if self.optimized else "")
+                       "torch.onnx.export(..., optimize=False)), or " if self.optimized else
+                       "if the export used optimize=True, re-export with optimize=False first; else ")
                 reasons.append(f"the export has no initializer for torch parameter(s) {self.dropped} "
                                f"that its torch calls read and no folded constant names them: {how}"
                                "torch's exporter dropped them (its ONNX form of the call does not "

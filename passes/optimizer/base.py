@@ -157,7 +157,9 @@ def check_groups(config: Any, groups: tuple[ParamGroup, ...]) -> None:
     """Every override of every group names a field of ``config`` and gives it a valid value
     (checked whether or not the group matches a weight): a :class:`GradientError` naming the
     group and the field otherwise."""
-    fields = [f.name for f in dataclasses.fields(config)]
+    if not groups or not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return
+    fields = [f.name for f in dataclasses.fields(config) if f.init]
     for index, group in enumerate(groups):
         unknown = [k for k in group.overrides if k not in fields]
         if unknown:
@@ -165,7 +167,7 @@ def check_groups(config: Any, groups: tuple[ParamGroup, ...]) -> None:
                                 f"{type(config).__name__} does not have; its fields are {fields}")
         try:
             dataclasses.replace(config, **dict(group.overrides))
-        except GradientError as exc:
+        except (GradientError, TypeError, ValueError) as exc:
             raise GradientError(f"ParamGroup {index} {tuple(group.patterns)!r}: {exc}") from exc
 
 
