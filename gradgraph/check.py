@@ -69,6 +69,7 @@ from gradgraph.reference_kernels import REFERENCE_OVERRIDES
 from passes.autodiff import GradientError
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
 from passes.forward.prepare import PrepareForGradientPass
+from passes.forward.reduce_loss import ReduceLossPass
 from passes.forward.to_double import ToDoublePass
 from passes.marks import GRADIENT_OF_KEY
 
@@ -539,10 +540,14 @@ def gradcheck(
     atol: float | None = None,
     max_elements: int = 16,
     seed: int = 0,
+    loss_reduction: str | None = None,
 ) -> CheckReport:
     """Check the gradient of ``loss`` w.r.t. ``weights`` at ``inputs`` (random if None).
 
     ``eps`` / ``rtol`` / ``atol`` default to the chosen oracle's (see the module docstring).
+    ``loss_reduction`` ("sum" or "mean"): a non-scalar loss is reduced first, as
+    :func:`gradgraph.build_gradient_graph` reduces it; both the gradient and the differences
+    are of the reduced loss.
     Returns a :class:`CheckReport`: a sequence of :class:`CheckRow`, one per trained name, plus
     the oracle used. Raises :class:`GradientError` for anything that stops the check.
     """
@@ -551,7 +556,8 @@ def gradcheck(
     try:
         # as build_gradient_graph: folded parameters are refused only for the default trained set
         prepare = PrepareForGradientPass(strict_parameters=weights is None)
-        forward = ir.to_proto(prepare(load_model(model)).model)
+        prepared = prepare(load_model(model)).model
+        forward = ir.to_proto(ReduceLossPass(loss, loss_reduction)(prepared).model)
         grad_model = build_gradient_graph(forward, loss, weights)
     except PassError as exc:
         raise _unwrap_pass_error(exc, model_desc) from exc

@@ -656,3 +656,29 @@ def test_an_array_that_is_no_input_of_the_model_is_refused(tmp_path, capsys):
     assert code == 2 and "Traceback" not in err
     assert "the inputs given hold ['X'], which is not an input of model file" in err
     assert "its inputs are ['x']" in err
+
+
+NON_SCALAR_MODEL = """
+<ir_version: 8, opset_import: ["" : 17]>
+agraph (float[2, 3] x) => (float[2, 4] loss)
+<float[3, 4] w = {0.5, -1.0, 0.25, 2.0, -0.5, 1.5, 0.75, -2.0, 1.0, 0.1, -0.3, 0.6}>
+{
+  y = MatMul (x, w)
+  loss = Tanh (y)
+}
+"""
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_check_reduces_a_non_scalar_loss_as_grad_does(tmp_path, capsys, reduction):
+    """`check --reduce` (as `grad --reduce`): the gradient and the central differences are of
+    the reduced loss; without it a non-scalar loss is refused, naming the option."""
+    path = tmp_path / "nonscalar.onnx"
+    onnx.save(parser.parse_model(NON_SCALAR_MODEL), path)
+    code, out, err = _cli(capsys, str(path), "--loss", "loss")
+    assert code == 2 and "not a scalar" in err and "--reduce sum|mean" in err
+    code, out, err = _cli(capsys, str(path), "--loss", "loss", "--reduce", reduction)
+    assert code == 0, out + err
+    assert _table(out)["w"][0] == "12" and "1 passed, 0 failed" in out
+    report = gradcheck(str(path), "loss", loss_reduction=reduction)
+    assert report.ok and [r.name for r in report] == ["w"]

@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "1: an entry is off or non-finite, or nothing was compared; 2: the check "
                     "could not run.")
     check.add_argument("model", help="forward ONNX model whose graph outputs the loss")
-    check.add_argument("--loss", required=True, help="name of the loss tensor")
+    check.add_argument("--loss", required=True, help="name of the loss tensor (a scalar, or see --reduce)")
+    check.add_argument("--reduce", choices=["sum", "mean"], default=None,
+                       help="reduce a non-scalar loss first, as `grad --reduce` does (default: refuse one)")
     check.add_argument("--weights", nargs="*", help="names to check (default: the trained set of `grad`)")
     check.add_argument("--inputs", metavar="NPZ",
                        help=".npz with the graph inputs (default: random, seeded by --seed)")
@@ -53,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     inputs = None if args.inputs is None else load_npz(args.inputs, "inputs file")
     report = checking.gradcheck(args.model, args.loss, weights_arg(args.weights), inputs,
                                 eps=args.eps, rtol=args.rtol, atol=args.atol,
-                                max_elements=args.max_elements, seed=args.seed)
+                                max_elements=args.max_elements, seed=args.seed,
+                                loss_reduction=args.reduce)
     width = max([len(r.name) for r in report] + [len("name")])
     print(f"{'name':<{width}}  {'checked':>7}  {'max abs err':>11}  {'max rel err':>11}  result")
     for r in report:
