@@ -340,6 +340,31 @@ def test_checkpoint_continues_bit_identically(tmp_path, accumulate):
     assert mine["train_step_info"] == ref["train_step_info"]
 
 
+@pytest.mark.parametrize("route", ["state_dict", "checkpoint"])
+@pytest.mark.parametrize("when", ["before the first step", "after a step"])
+def test_frozen_weights_are_part_of_the_saved_state(tmp_path, route, when):
+    """utils.frozen_weights are constants of the training graph; state_dict() and checkpoints
+    left them out, so a trainer of another initialization resumed with its own frozen weights
+    (other losses, silently). They are saved and loaded, before or after the first step."""
+    options = {"utils": {"frozen_weights": ["0.weight"]}}
+    batches = _batches(6)
+    first = _trainer(optim.AdamConfig(lr=1e-2), options)
+    _losses(first, batches[:3])
+    assert "0.weight" in first.state_dict()["model"]["full_precision"]
+    path = tmp_path / "ckpt"
+    first.save_checkpoint(path)
+    state = first.state_dict()
+    expected = _losses(first, batches[3:])
+    second = _trainer(optim.AdamConfig(lr=1e-2), options, model=_mlp(seed=5))
+    if when == "after a step":
+        _losses(second, batches[:1])
+    if route == "state_dict":
+        second.load_state_dict(state)
+    else:
+        second.load_checkpoint(path)
+    assert _losses(second, batches[3:]) == expected
+
+
 def test_state_dict_round_trips_and_has_the_reference_layout():
     batches = _batches(5)
     first = _trainer(optim.AdamConfig(lr=1e-2))

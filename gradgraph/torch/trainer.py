@@ -508,12 +508,64 @@ class ORTTrainer:
                           "or eval_step once first)", RuntimeWarning, stacklevel=3)
         return self._session
 
+    def _frozen_values(self) -> dict[str, np.ndarray]:
+        """``utils.frozen_weights`` as the graph holds them (its constants): part of the model's
+        state, saved and loaded with it."""
+        if self._onnx_model is None:
+            return {}
+        frozen = set(self.options.utils.frozen_weights)
+        return {i.name: onnx.numpy_helper.to_array(i) for i in self._onnx_model.graph.initializer
+                if i.name in frozen}
+
+    def _take_frozen(self, state: dict[str, Any]) -> None:
+        """Remove the frozen weights from a state being loaded and apply them: before the first
+        step to the module (the export reads them); after it, where they differ from the graph's
+        constants, the session is rebuilt with them (its other state carried over)."""
+        frozen = set(self.options.utils.frozen_weights)
+        given = {n: np.asarray(state.pop(n)) for n in list(state) if n in frozen}
+        if not given:
+            return
+        if self._session is None:
+            assert self._torch_model is not None  # an ONNX model's session exists from the start
+            params = dict(self._torch_model.named_parameters(remove_duplicate=False))
+            with torch.no_grad():
+                for n, value in given.items():
+                    param = params.get(self._torch_names.get(n, n))
+                    if param is not None and tuple(param.shape) == value.shape:
+                        param.copy_(torch.from_numpy(value.copy()))
+            return
+        current = self._frozen_values()
+        changed = {n: v for n, v in given.items()
+                   if n in current and (v.shape != current[n].shape or not np.array_equal(v, current[n]))}
+        wrong = [n for n, v in changed.items() if v.shape != current[n].shape or v.dtype != current[n].dtype]
+        if wrong:
+            raise CheckpointError(f"frozen weight(s) {wrong} of the state have another shape or dtype "
+                                  "than the model's")
+        if not changed:
+            return
+        assert self._onnx_model is not None and self._session is not None
+        model = onnx.ModelProto()
+        model.CopyFrom(self._onnx_model)
+        for init in model.graph.initializer:
+            if init.name in changed:
+                init.CopyFrom(onnx.numpy_helper.from_array(changed[init.name], init.name))
+        if self._torch_model is not None:
+            params = dict(self._torch_model.named_parameters(remove_duplicate=False))
+            with torch.no_grad():
+                for n, value in changed.items():
+                    param = params.get(self._torch_names.get(n, n))
+                    if param is not None:
+                        param.copy_(torch.from_numpy(value.copy()))
+        carried = self._session.get_state()
+        self._build(model)
+        self._session.load_state(carried, strict=False)
+
     def state_dict(self, pytorch_format: bool = False) -> dict[str, Any]:
         """The reference's layout (see ORTTrainer.txt); ``pytorch_format``: {torch name: tensor}."""
         session = self._require("state_dict")
         if session is None:
             return {}
-        weights = session.get_model_state()["full_precision"]
+        weights = {**session.get_model_state()["full_precision"], **self._frozen_values()}
         if pytorch_format:  # constants of the graph (frozen weights) too
             assert self._onnx_model is not None
             inits = {i.name: i for i in self._onnx_model.graph.initializer}
@@ -563,11 +615,14 @@ class ORTTrainer:
             raise CheckpointError("ORTTrainer.load_state_dict: expected the dict state_dict() returns "
                                   "(with a 'model' entry)")
         if self._session is None:
+            self._take_frozen(dict(state_dict["model"].get("full_precision", {})))  # before the export
             self._pending = lambda: self.load_state_dict(state_dict, strict)
             return
-        session = self._session
-        names = session.names
         flat: dict[str, Any] = dict(state_dict["model"].get("full_precision", {}))
+        self._take_frozen(flat)
+        session = self._session
+        assert session is not None
+        names = session.names
         reverse = {v: k for k, v in _STATE_NAMES.items()}
         for w, entry in state_dict.get("optimizer", {}).items():
             if w == "shared_optimizer_state":
@@ -609,6 +664,7 @@ class ORTTrainer:
         micro_step = int(state[MICRO_STEP_KEY])
         if not include_optimizer_states:
             state = {n: state[n] for n in session.artifacts.params}
+        state.update(self._frozen_values())  # the graph's constants: part of the model
         info = self._train_step_info
         meta = {"kind": _CHECKPOINT_KIND, "optimizer": self.optim_config.name,
                 "step": session.step, "micro_step": micro_step,
@@ -630,8 +686,9 @@ class ORTTrainer:
         if not meta.get("include_optimizer_states", True) or \
                 (not strict and meta.get("optimizer") != self.optim_config.name):
             params = set(self._session.artifacts.params) if self._session is not None else None
+            frozen = set(self.options.utils.frozen_weights)
             state = {"model": {"full_precision": {k: v for k, v in tensors.items() if k != MICRO_STEP_KEY
-                                                  and (params is None or k in params)}}}
+                                                  and (params is None or k in params or k in frozen)}}}
             self._load_weights_only(state, where)
         else:
             self._load_flat(tensors, meta, strict, where)
@@ -646,9 +703,12 @@ class ORTTrainer:
     def _load_flat(self, tensors: dict[str, np.ndarray], meta: Mapping[str, Any], strict: bool,
                    where: str) -> None:
         info = {"optimization_step": meta.get("optimization_step", 0), "step": meta.get("train_step", 0)}
+        tensors = dict(tensors)
         if self._session is None:
+            self._take_frozen(dict(tensors))  # before the export
             self._pending = lambda: self._load_flat(tensors, meta, strict, where)
             return
+        self._take_frozen(tensors)
         try:
             if self._session.data_parallel is not None:
                 tensors = self._session.data_parallel.take_checkpoint(tensors)
