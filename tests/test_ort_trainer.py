@@ -365,6 +365,45 @@ def test_frozen_weights_are_part_of_the_saved_state(tmp_path, route, when):
     assert _losses(second, batches[3:]) == expected
 
 
+class _TiedLM(torch.nn.Module):
+    """A tied embedding / output weight and a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.fc = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.fc(self.emb(ids))) * self.scale).reshape(-1, 10)
+
+
+def test_pytorch_format_state_loads_strictly_into_the_module():
+    """state_dict(pytorch_format=True) has the module's own state_dict() keys (a tied weight
+    under both names, no non-persistent buffer): a fresh module loads it with strict=True and
+    computes the trainer's eval loss."""
+    class Loss(torch.nn.Module):
+        def forward(self, logits, ids):
+            return torch.nn.functional.cross_entropy(logits, ids.reshape(-1))
+
+    desc = {"inputs": [("ids", ["batch", 5]), ("target", ["batch", 5])],
+            "outputs": [("loss", [], True), ("logits", ["n", 10])]}
+    torch.manual_seed(0)
+    ids = torch.randint(0, 10, (4, 5))
+    trainer = ORTTrainer(_TiedLM(), desc, optim.AdamConfig(lr=1e-2), Loss(), ORTTrainerOptions(CPU))
+    for _ in range(2):
+        trainer.train_step(ids, ids)
+    fresh = _TiedLM()
+    state = trainer.state_dict(pytorch_format=True)
+    assert sorted(state) == sorted(fresh.state_dict())
+    fresh.load_state_dict(state)  # strict
+    loss, _ = trainer.eval_step(ids, ids)
+    with torch.no_grad():
+        np.testing.assert_allclose(float(Loss()(fresh(ids), ids)), float(loss), rtol=1e-5)
+
+
 def test_state_dict_round_trips_and_has_the_reference_layout():
     batches = _batches(5)
     first = _trainer(optim.AdamConfig(lr=1e-2))

@@ -508,6 +508,22 @@ class ORTTrainer:
                           "or eval_step once first)", RuntimeWarning, stacklevel=3)
         return self._session
 
+    def _as_module_state(self, by_torch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """The keys of the module's own ``state_dict()`` (a tied weight under each of its names,
+        no non-persistent buffer), each with the graph's value where the graph holds it under
+        any of its names, else the module's: loadable with ``strict=True``."""
+        assert self._torch_model is not None
+        module = self._torch_model
+        names_of: dict[int, list[str]] = {}
+        for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+            names_of.setdefault(id(t), []).append(n)
+        state = {}
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            value = next((by_torch[a] for a in [key, *names_of.get(id(tensor), [])] if a in by_torch), None)
+            state[key] = (torch.from_numpy(np.array(value)) if value is not None
+                          else tensor.detach().clone())
+        return state
+
     def _frozen_values(self) -> dict[str, np.ndarray]:
         """``utils.frozen_weights`` as the graph holds them (its constants): part of the model's
         state, saved and loaded with it."""
@@ -571,8 +587,10 @@ class ORTTrainer:
             inits = {i.name: i for i in self._onnx_model.graph.initializer}
             fixed = {n: onnx.numpy_helper.to_array(inits[n]) for n in self._torch_names
                      if n not in weights and n in inits}
-            return {self._torch_names.get(n, n): torch.from_numpy(np.array(v))
-                    for n, v in {**fixed, **weights}.items()}
+            by_torch = {self._torch_names.get(n, n): v for n, v in {**fixed, **weights}.items()}
+            if self._torch_model is None:
+                return {n: torch.from_numpy(np.array(v)) for n, v in by_torch.items()}
+            return self._as_module_state(by_torch)
         names, state = session.names, session.get_state()
         optimizer: dict[str, Any] = {}
         for w, kinds in session.artifacts.optimizer_state.items():
