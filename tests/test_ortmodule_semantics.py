@@ -1129,3 +1129,28 @@ def test_saved_tensor_hooks_see_what_the_backward_reads():
             out = m(x)
         out.square().sum().backward()
     _grads_equal(ref, mine.module)
+
+
+def test_an_output_torch_computes_without_grad_gets_none_in_the_graph_either():
+    """checkpoint(use_reentrant=True) of inputs that need no grad: torch's output does not
+    require grad (the checkpointed weights get no gradient; backward raises). The graph
+    differentiated through it; its output now does not require grad either."""
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+
+    torch.manual_seed(0)
+    ref, mine = _pair(Checkpointed())
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "none of the inputs have requires_grad=True"
+        out_ref, out_mine = ref(x), mine(x)
+    assert not out_ref.requires_grad and not out_mine.requires_grad
+    _close(out_mine, out_ref)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        out_mine.sum().backward()

@@ -88,6 +88,9 @@ class ExportedCall:
     reference_mutations: list[torch.Tensor] = dataclasses.field(default_factory=list)
     # positions among output_spec's leaves that are None (``return out, None``): not graph outputs
     output_nones: list[int] = dataclasses.field(default_factory=list)
+    # per module output, whether it required grad in the probe run (with stop_gradients): one
+    # that did not (a reentrant checkpoint of inputs that need no grad) gets none in the graph
+    output_requires_grad: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def n_outputs(self) -> int:
@@ -437,10 +440,11 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
         # the probe sees which inputs require grad (trap 5)
         probe_inputs = tuple(t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
                              for t in leaves if isinstance(t, torch.Tensor))
-        flat.mutations, reference, updated = _probe(module, flat, probe_inputs, stop_gradients)
+        flat.mutations, reference, updated, requires = _probe(module, flat, probe_inputs, stop_gradients)
         restore_buffers(module, saved)  # the export stores the buffers' values as they are now
         exported = _export_first(module, flat, tensors, input_names, order, training, opset, dynamic)
         exported.reference_outputs, exported.reference_mutations = reference, updated
+        exported.output_requires_grad = requires
         return exported
     finally:
         restore_buffers(module, saved)
@@ -465,7 +469,7 @@ def restore_buffers(module: torch.nn.Module, saved: dict[str, tuple[torch.Tensor
 
 
 def _probe(module: torch.nn.Module, flat: _Flat, tensors: tuple,
-           stop_gradients: bool) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+           stop_gradients: bool) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor], list[bool]]:
     """One run of ``flat(*tensors)`` in PyTorch: the buffers it updates in place, BatchNorm's
     own statistics left out (trap 4), its outputs and those buffers' new values; with
     ``stop_gradients`` it runs with grad enabled and raises :class:`StopsGradient` where trap 5 applies. The caller restores
@@ -497,13 +501,14 @@ def _probe(module: torch.nn.Module, flat: _Flat, tensors: tuple,
             f"it then uses in a differentiable call ({watch.reads[0]}): the ONNX graph would "
             "differentiate through it, unlike PyTorch; this signature cannot be exported for "
             "training")
+    requires = [bool(o.requires_grad) for o in outputs] if stop_gradients else []
     outputs = [o.detach() for o in outputs]  # flat.mutations is still empty: all are the module's
     changed = []
     for (name, b), (version, value) in zip(buffers, before):
         now = module.get_buffer(name)  # ``self.count = self.count + 1`` reassigns the buffer
         if now is not b or b._version != version or not torch.equal(b, value):
             changed.append(name)
-    return changed, outputs, [module.get_buffer(name).detach().clone() for name in changed]
+    return changed, outputs, [module.get_buffer(name).detach().clone() for name in changed], requires
 
 
 def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_names: list[str],

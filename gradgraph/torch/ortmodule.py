@@ -387,6 +387,8 @@ class GraphRunner:
         self.feed_names = feed_names
         # feeds that are the same tensors on every call (weights, buffers): converted once
         self.feeds = _OrtValues(state_names)
+        # outputs that get no gradient whatever the graph says (torch's did not require grad)
+        self.detached: frozenset[str] = frozenset()
         self.run_options = run_options  # passed to every run of both sessions
         self.user_outputs = outputs
         self.seeds: dict[str, str] = {}
@@ -708,6 +710,8 @@ class _Engine:
             if explained is exc:
                 raise
             raise explained from exc
+        self.runner.detached = frozenset(
+            name for name, requires in zip(self.user_outputs, exported.output_requires_grad) if not requires)
 
     def explain(self, exc: Exception, tensor_inputs: list[torch.Tensor]) -> Exception:
         """``exc`` (building or first running the graphs failed), or, where the exporter's own
@@ -798,8 +802,8 @@ class _Function(torch.autograd.Function):
         ctx.runner, ctx.saved_names = runner, saved_names
         ctx.devices = devices
         ctx.shapes = [(r.shape, r.dtype) for r in results]
-        for r in results:
-            if not r.is_floating_point():
+        for name, r in zip(runner.user_outputs, results):
+            if not r.is_floating_point() or name in runner.detached:
                 ctx.mark_non_differentiable(r)
         return results
 
