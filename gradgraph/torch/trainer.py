@@ -543,12 +543,7 @@ class ORTTrainer:
             return
         if self._session is None:
             assert self._torch_model is not None  # an ONNX model's session exists from the start
-            params = dict(self._torch_model.named_parameters(remove_duplicate=False))
-            with torch.no_grad():
-                for n, value in given.items():
-                    param = params.get(self._torch_names.get(n, n))
-                    if param is not None and tuple(param.shape) == value.shape:
-                        param.copy_(torch.from_numpy(value.copy()))
+            self._set_module_weights(given)
             return
         current = self._frozen_values()
         changed = {n: v for n, v in given.items()
@@ -566,15 +561,20 @@ class ORTTrainer:
             if init.name in changed:
                 init.CopyFrom(onnx.numpy_helper.from_array(changed[init.name], init.name))
         if self._torch_model is not None:
-            params = dict(self._torch_model.named_parameters(remove_duplicate=False))
-            with torch.no_grad():
-                for n, value in changed.items():
-                    param = params.get(self._torch_names.get(n, n))
-                    if param is not None:
-                        param.copy_(torch.from_numpy(value.copy()))
+            self._set_module_weights(changed)
         carried = self._session.get_state()
         self._build(model)
         self._session.load_state(carried, strict=False)
+
+    def _set_module_weights(self, values: Mapping[str, np.ndarray]) -> None:
+        """Copy ``values`` (by ONNX weight name) into the torch module's parameters of that shape."""
+        assert self._torch_model is not None
+        params = dict(self._torch_model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for n, value in values.items():
+                param = params.get(self._torch_names.get(n, n))
+                if param is not None and tuple(param.shape) == value.shape:
+                    param.copy_(torch.from_numpy(value.copy()))
 
     def state_dict(self, pytorch_format: bool = False) -> dict[str, Any]:
         """The reference's layout (see ORTTrainer.txt); ``pytorch_format``: {torch name: tensor}."""
