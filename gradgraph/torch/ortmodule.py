@@ -74,7 +74,12 @@ from passes.autodiff.vjp import VjpSeedPass
 from passes.forward.distinct_outputs import DistinctOutputsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
-from passes.kernels import DecomposeTrainingBatchNormPass, WholeScoresLossPass, kernel_passes
+from passes.kernels import (
+    DecomposeTrainingBatchNormPass,
+    ValidRowsLossPass,
+    WholeScoresLossPass,
+    kernel_passes,
+)
 from passes.marks import gradient_outputs
 from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 from passes.split import split_forward_backward
@@ -670,6 +675,7 @@ class _Engine:
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
         PrepareForGradientPass(strict_parameters=False)(model)
         WholeScoresLossPass()(model)  # a loss over sliced logits: no copy of them, no Pad
+        ValidRowsLossPass()(model)  # the rows the loss ignores are not computed
         for rewrite in device_rewrites(device):  # what the device's kernels lack
             rewrite(model)
         DistinctOutputsPass()(model)  # again: the optimizer may merge equal outputs

@@ -5,7 +5,8 @@ model savable; see :mod:`gradgraph.pipeline`):
 
 1. ``forward``: forward clean-up (inline, recover torch parameters, classify weights, fold,
    expose dropout masks and running statistics, reduce a non-scalar loss, a loss over sliced
-   scores taken over all of them: :class:`passes.kernels.WholeScoresLossPass`);
+   scores taken over all of them: :class:`passes.kernels.WholeScoresLossPass`; the rows a
+   cross-entropy ignores not computed: :class:`passes.kernels.ValidRowsLossPass`);
 2. ``graph_transforms``: clean-up, cast propagation, mixed precision (those enabled);
    saved at ``debug.graph_save_paths.model_after_graph_transforms_path``;
 3. ``gradient``: the loss scale (fp16), the gradient graph, then the trained set: gradient
@@ -60,7 +61,12 @@ from passes.forward.expose_running_stats import ExposeRunningStatsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
 from passes.forward.reduce_loss import ReduceLossPass
-from passes.kernels import DecomposeTrainingBatchNormPass, WholeScoresLossPass, kernel_passes
+from passes.kernels import (
+    DecomposeTrainingBatchNormPass,
+    ValidRowsLossPass,
+    WholeScoresLossPass,
+    kernel_passes,
+)
 from passes.marks import HELD_KEY, gradient_outputs
 from passes.optimizer import resolve
 from passes.optimizer.loss_scale import LossScalePass
@@ -207,7 +213,8 @@ def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
     names, paths = config.names, config.debug.graph_save_paths
     forward: list[PassBase] = [PrepareForGradientPass(strict_parameters=config.weights_to_train is None),
                                ReduceLossPass(config.loss, config.loss_reduction),
-                               WholeScoresLossPass(), ExposeRunningStatsPass(names.out_suffix)]
+                               WholeScoresLossPass(), ValidRowsLossPass(),
+                               ExposeRunningStatsPass(names.out_suffix)]
     gradient: list[PassBase] = []
     if provider_names(providers)[:1] == ["CUDAExecutionProvider"]:
         # onnxruntime's CUDA kernel refuses training-mode BatchNormalization at opset >= 14; here,

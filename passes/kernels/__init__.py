@@ -4,7 +4,8 @@ Each pass replaces a pattern by an equivalent one (the ONNX definition of the op
 algebraic identity) where onnxruntime's CPU kernel for the original is measurably slower; the
 measurement is in the pass's docstring. Most run on finished graphs (after the gradient), so
 gradient rules see the original ops; WholeScoresLossPass runs on the forward graph, because what
-it saves is mostly the gradient of what it removes. DecomposeTrainingBatchNormPass is for a
+it saves is mostly the gradient of what it removes; ValidRowsLossPass too, after it (the rows
+a cross-entropy ignores are not computed). DecomposeTrainingBatchNormPass is for a
 runtime without the kernel (onnxruntime's CUDA provider), before the gradient.
 """
 
@@ -14,6 +15,7 @@ from passes.kernels.batch_norm_training import DecomposeTrainingBatchNormPass
 from passes.kernels.scatter_accumulate import ScatterAddIntoSumPass
 from passes.kernels.sliced_scores_loss import WholeScoresLossPass
 from passes.kernels.softmax_cross_entropy import SplitSoftmaxCrossEntropyPass
+from passes.kernels.valid_rows_loss import ValidRowsLossPass
 
 
 def kernel_passes(gradient: bool = True) -> list[PassBase]:
@@ -24,4 +26,5 @@ def kernel_passes(gradient: bool = True) -> list[PassBase]:
     return [SplitSoftmaxCrossEntropyPass(), ScatterAddIntoSumPass()]
 
 
-__all__ = ["DecomposeTrainingBatchNormPass", "ScatterAddIntoSumPass", "SplitSoftmaxCrossEntropyPass", "WholeScoresLossPass", "kernel_passes"]
+__all__ = ["DecomposeTrainingBatchNormPass", "ScatterAddIntoSumPass", "SplitSoftmaxCrossEntropyPass", "ValidRowsLossPass", "WholeScoresLossPass",
+           "kernel_passes"]

@@ -106,7 +106,10 @@ def _layer_norm(b, n, g):
     go, g_mean, g_inv_std = g[0], _grad_of(b, g, 1, x), _grad_of(b, g, 2, x)
     dx = None
     if n.needs_grad(0):
-        count = _count(b, x, inv_std)
+        # elements per normalized group from the shape, not Size(x) / Size(inv_std): that
+        # divides by zero on an empty batch (a loss whose labels are all ignored gathers none)
+        count = (b.CastLike(b.reduce("ReduceProd", b.Shape(x, start=axis), [0], keepdims=0), x)
+                 if g_mean is not None or g_inv_std is not None else None)
         dx = _sum_parts(b, [
             _norm_input_grad(b, go * scale, xhat, inv_std, axes) if go is not None else None,
             b.Expand(g_mean / count, b.Shape(x)) if g_mean is not None else None,

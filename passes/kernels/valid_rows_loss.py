@@ -1,0 +1,310 @@
+"""ValidRowsLossPass: the rows a cross-entropy ignores are not computed.
+
+A masked language model's loss reads the logits of the masked positions only: every other
+label is the loss's ``ignore_index`` (about 85% of them in BERT's recipe). The exported graph
+still computes the whole head for every position, forward and backward: on the BERT-like
+benchmark model (8 x 128 positions, vocabulary 8192) the decoder's [1024, 256] x [256, 8192]
+MatMul, its two gradient MatMuls and the softmax over [1024, 8192] are about 13 of the step's
+34 GFLOP. Here the rows whose label is not ignored are gathered once,
+
+    rows = Reshape(NonZero(Not(Equal(labels, ignore_index))), [-1])
+
+and every node between the loss and the first node that mixes rows (attention, a Dropout, an
+op this pass does not know) computes on those rows only (``Gather(Reshape(x, [-1, D]), rows)``
+where the rewritten part begins). onnxruntime's ORTModule had the same optimization (its
+"label sparsity" compute optimizer: a Gather before the loss, moved upstream).
+
+The loss is the same: an ignored row adds nothing to the sum and nothing to the ``mean``
+reduction's denominator, and its scores get an exact zero gradient, so the weights' gradients
+are the same sums over the rows kept (float reassociation aside). With every label ignored the
+loss is NaN (``mean``) or 0 (``sum``), as before.
+
+Rewritten when all of these hold (anything else is left alone):
+
+* the loss is ``SoftmaxCrossEntropyLoss`` or ``NegativeLogLikelihoodLoss`` of 2-D scores and
+  1-D labels, ``reduction`` ``mean`` or ``sum``, with an ``ignore_index`` attribute (torch's
+  cross_entropy always exports one) that the labels' dtype can hold, its ``log_prob`` unused;
+* the part computed per row contains a MatMul or Gemm (otherwise there is little to save);
+* each node of that part works row by row on its row-shaped inputs, all of the same leading
+  shape as its output (known, equal dims): a unary or binary elementwise op (its other inputs
+  broadcast along the last axis only), MatMul by a 2-D matrix, Gemm without transA,
+  LayerNormalization / Softmax / LogSoftmax over the last axis, a Reshape that keeps the last
+  dim; each of its values is read by that part only (not by another node, not a graph output),
+  with a known static last dim.
+
+A rewritten SoftmaxCrossEntropyLoss is written as LogSoftmax + NegativeLogLikelihoodLoss (its
+function body; onnxruntime's inlined function cannot reshape the empty scores of a batch whose
+labels are all ignored). Rows with NaN or infinite scores but an ignored label used to make the gradient NaN (0 x NaN);
+they are no longer computed, so they no longer do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from passes.autodiff.builder import OpBuilder, dims_equal, scope_taken_names
+from passes.kernels._graph import DEFAULT_DOMAINS, default_opset, only_use, take_over
+from passes.kernels.softmax_cross_entropy import SplitSoftmaxCrossEntropyPass
+
+_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+_UNARY = frozenset({
+    "Abs", "Cast", "Celu", "Elu", "Erf", "Exp", "Gelu", "HardSigmoid", "HardSwish", "Identity",
+    "LeakyRelu", "Log", "Mish", "Neg", "Reciprocal", "Relu", "Selu", "Sigmoid", "Softplus",
+    "Softsign", "Sqrt", "Tanh", "ThresholdedRelu",
+})
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu", "Clip"})
+_LAST_AXIS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization"})
+_MATMUL = frozenset({"MatMul", "Gemm"})
+
+
+def _dims(value: ir.Value | None) -> list | None:
+    if value is None or value.shape is None:
+        return None
+    return list(value.shape)
+
+
+def _last_dim(value: ir.Value) -> int | None:
+    dims = _dims(value)
+    if not dims or len(dims) < 2 or not isinstance(dims[-1], int):
+        return None
+    return dims[-1]
+
+
+def _same_rows(a: ir.Value, b: ir.Value) -> bool:
+    """Both have known, equal leading dims (the same rows in the same order)."""
+    da, db = _dims(a), _dims(b)
+    return (da is not None and db is not None and len(da) == len(db) >= 2
+            and all(dims_equal(x, y) for x, y in zip(da[:-1], db[:-1])))
+
+
+def _broadcast_along_last(value: ir.Value, out_rank: int) -> bool:
+    """``value`` broadcasts over every leading axis of an output of rank ``out_rank``."""
+    dims = _dims(value)
+    return dims is not None and len(dims) <= out_rank and all(d == 1 for d in dims[:-1])
+
+
+def _row_inputs(node: ir.Node, opset: int) -> list[int] | None:
+    """Which inputs of ``node`` are row-shaped, when ``node`` works row by row; else None."""
+    if node.domain not in DEFAULT_DOMAINS or not node.outputs:
+        return None
+    out = node.outputs[0]
+    op = node.op_type
+    if _last_dim(out) is None or any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+        return None
+    if op in _ELEMENTWISE:
+        rows: list[int] = []
+        rank = len(_dims(out) or [])
+        for i, v in enumerate(node.inputs):
+            if v is None:
+                continue
+            if _same_rows(v, out) and _last_dim(v) is not None:
+                rows.append(i)
+            elif not _broadcast_along_last(v, rank):
+                return None
+        return rows or None
+    x = node.inputs[0] if node.inputs else None
+    if x is None or _last_dim(x) is None:
+        return None
+    if op == "Reshape":
+        return [0] if _last_dim(x) == _last_dim(out) else None
+    if op in _UNARY:
+        return [0] if _same_rows(x, out) and _last_dim(x) == _last_dim(out) else None
+    if op in _LAST_AXIS:
+        rank = len(_dims(out) or [])
+        axis = node.attributes.get("axis")
+        default = 1 if op != "LayerNormalization" and opset < 13 else -1
+        a = axis.as_int() if axis is not None else default
+        if (a + rank if a < 0 else a) != rank - 1 or not _same_rows(x, out):
+            return None
+        if any(v is not None and len(_dims(v) or [0, 0]) != 1 for v in node.inputs[1:]):
+            return None  # LayerNormalization's scale and bias: 1-D over the last axis
+        return [0]
+    if op in _MATMUL:
+        w = node.inputs[1] if len(node.inputs) > 1 else None
+        if w is None or len(_dims(w) or []) != 2 or not _same_rows(x, out):
+            return None
+        if op == "Gemm":
+            trans_a = node.attributes.get("transA")
+            c = node.inputs[2] if len(node.inputs) > 2 else None
+            if (trans_a is not None and trans_a.as_int()) or (c is not None and not _broadcast_along_last(c, 2)):
+                return None
+        return [0]
+    return None
+
+
+class ValidRowsLossPass(InPlacePass):
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        opset = default_opset(model)
+        modified = False
+        for node in list(graph):
+            if node.op_type in _LOSSES and node.domain in DEFAULT_DOMAINS and node.graph is graph:
+                modified = self._rewrite(graph, node, opset) or modified
+        return PassResult(model, modified)
+
+    @staticmethod
+    def _rewrite(graph: ir.Graph, loss: ir.Node, opset: int) -> bool:
+        ignore = loss.attributes.get("ignore_index")
+        reduction = loss.attributes.get("reduction")
+        if ignore is None or (reduction is not None and reduction.as_string() not in ("mean", "sum")):
+            return False
+        if len(loss.outputs) > 1 and (loss.outputs[1].uses() or loss.outputs[1].is_graph_output()):
+            return False
+        scores, labels = loss.inputs[0], loss.inputs[1]
+        if (scores is None or labels is None or _last_dim(scores) is None or len(_dims(scores) or []) != 2
+                or len(_dims(labels) or [0, 0]) != 1
+                or labels.dtype not in (ir.DataType.INT64, ir.DataType.INT32)):
+            return False
+        info = np.iinfo(labels.dtype.numpy())
+        if not info.min <= ignore.as_int() <= info.max:
+            return False
+        if not only_use(scores, graph, loss):
+            return False
+        region, boundary = _region(graph, scores, loss, opset)
+        if not any(n.op_type in _MATMUL for n in region):
+            return False
+
+        b = OpBuilder(opset)
+        b.prefix = f"{loss.name or 'loss'}/valid_rows"
+        for key in ("namespace", "pkg.torch.onnx.class_hierarchy"):
+            if key in loss.metadata_props:
+                b.marks[key] = loss.metadata_props[key]
+        keep = b.Not(b.Equal(b.wrap(labels), b.const(np.array(ignore.as_int(), dtype=labels.dtype.numpy()))))
+        rows = b.Reshape(b.NonZero(keep), b.const(np.array([-1], dtype=np.int64)))
+        rows.value.shape = ir.Shape([None])
+        kept_labels = b.Gather(b.wrap(labels), rows, axis=0)
+        kept_labels.value.type, kept_labels.value.shape = labels.type, ir.Shape([None])
+        gathered: dict[int, ir.Value] = {}
+        for value in boundary:
+            width = _last_dim(value)
+            assert width is not None
+            flat = b.wrap(value)
+            if len(_dims(value) or []) != 2:
+                flat = b.Reshape(flat, b.const(np.array([-1, width], dtype=np.int64)))
+            picked = b.Gather(flat, rows, axis=0)
+            picked.value.type, picked.value.shape = value.type, ir.Shape([None, width])
+            gathered[id(value)] = picked.value
+        scope_taken_names(graph, b.nodes, b.prefix)
+        graph.insert_before(loss, b.nodes)
+
+        copies: list[ir.Node] = []
+        for node in region:  # in graph order
+            out = node.outputs[0]
+            if node.op_type == "Reshape":
+                gathered[id(out)] = gathered[id(node.inputs[0])]
+                continue
+            rows_at = set(_row_inputs(node, opset) or [])
+            inputs: list[ir.Value | None] = []
+            for i, v in enumerate(node.inputs):
+                if v is None or i in rows_at:
+                    inputs.append(None if v is None else gathered[id(v)])
+                    continue
+                if node.op_type not in _MATMUL and len(_dims(v) or []) > 1:  # [1, .., 1, D] -> [D]
+                    flat_node = ir.Node("", "Reshape", [v, _int64_const(graph, copies, [-1], b.prefix)],
+                                        name=f"{b.prefix}/flat_{len(copies)}")
+                    flat_node.outputs[0].name = f"{b.prefix}/flat_{len(copies)}"
+                    flat_node.outputs[0].type = v.type
+                    copies.append(flat_node)
+                    v = flat_node.outputs[0]
+                inputs.append(v)
+            attributes = [a for a in node.attributes.values()]
+            if node.op_type in _LAST_AXIS:
+                attributes = [a for a in attributes if a.name != "axis"] + [ir.AttrInt64("axis", -1)]
+            copy = ir.Node(node.domain, node.op_type, inputs, attributes, num_outputs=1,
+                           name=f"{b.prefix}/{node.name or node.op_type}_{len(copies)}")
+            copy.metadata_props.update(node.metadata_props)
+            copy.outputs[0].name = f"{b.prefix}/{out.name or node.op_type}_{len(copies)}"
+            copy.outputs[0].type = out.type
+            copy.outputs[0].shape = ir.Shape([None, _last_dim(out)])
+            copies.append(copy)
+            gathered[id(out)] = copy.outputs[0]
+        scope_taken_names(graph, copies, b.prefix)
+        graph.insert_before(loss, copies)
+        loss.replace_input_with(0, gathered[id(scores)])
+        loss.replace_input_with(1, kept_labels.value)
+        if len(loss.outputs) > 1:
+            loss.outputs[1].shape = ir.Shape([None, _last_dim(scores)])
+        _shape_constants(graph, region)
+        graph.remove(list(reversed(region)), safe=True)
+        if loss.op_type == "SoftmaxCrossEntropyLoss":
+            # onnxruntime's SoftmaxCrossEntropyLoss (its inlined function) cannot reshape empty
+            # scores (every label ignored): LogSoftmax + NegativeLogLikelihoodLoss can
+            SplitSoftmaxCrossEntropyPass._split(graph, loss)
+        return True
+
+
+def _int64_const(graph: ir.Graph, nodes: list[ir.Node], values: list[int], prefix: str) -> ir.Value:
+    tensor = ir.tensor(np.array(values, dtype=np.int64), name=f"{prefix}/shape_{len(nodes)}")
+    node = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], name=f"{prefix}/shape_{len(nodes)}_node")
+    out = node.outputs[0]
+    out.name, out.type, out.shape, out.const_value = tensor.name, ir.TensorType(ir.DataType.INT64), ir.Shape([len(values)]), tensor
+    nodes.append(node)
+    return out
+
+
+def _static_shape_reader(user: ir.Node, value: ir.Value) -> bool:
+    """``user`` is a Shape of ``value``, whose shape is known: it needs no value."""
+    dims = _dims(value)
+    return (user.op_type == "Shape" and user.domain in DEFAULT_DOMAINS and dims is not None
+            and all(isinstance(d, int) for d in dims))
+
+
+def _shape_constants(graph: ir.Graph, region: list[ir.Node]) -> None:
+    """Each Shape of a region value (static shape, see _static_shape_reader) becomes a
+    constant, so that the value itself can go."""
+    for node in region:
+        for value in node.outputs:
+            for user, _ in list(value.uses()):
+                if not _static_shape_reader(user, value):
+                    continue
+                dims = np.array(list(value.shape or []), dtype=np.int64)
+                start, end = user.attributes.get("start"), user.attributes.get("end")
+                picked = dims[slice(start.as_int() if start is not None else None,
+                                    end.as_int() if end is not None else None)]
+                name = user.outputs[0].name or f"{user.name}_shape"
+                tensor = ir.tensor(picked, name=f"{name}/static")
+                const = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], name=f"{name}/static_node")
+                const.outputs[0].type, const.outputs[0].shape = ir.TensorType(ir.DataType.INT64), ir.Shape(picked.shape)
+                const.outputs[0].const_value = tensor
+                graph.insert_before(user, const)
+                take_over(graph, user.outputs[0], const.outputs[0])
+                graph.remove(user, safe=True)
+
+
+def _region(graph: ir.Graph, scores: ir.Value, loss: ir.Node,
+            opset: int) -> tuple[list[ir.Node], list[ir.Value]]:
+    """The nodes computed per row above the loss's ``scores`` (graph order) and the row-shaped
+    values they read from outside it (where the gathering happens)."""
+    order = {id(n): i for i, n in enumerate(graph)}
+    region: dict[int, ir.Node] = {}
+    # a Shape of a value of static shape does not need the value (its Constant replaces it)
+    reads: dict[int, ir.Value] = {id(scores): scores}  # row-shaped values read by the region
+    row_uses: dict[int, set[tuple[int, int]]] = {id(scores): {(id(loss), 0)}}
+    pending = [scores]
+    while pending:
+        # the latest producer first: the popped producers' graph positions only go down, so
+        # every node that reads a value and joins the region has joined before it is popped
+        pending.sort(key=lambda v: order.get(id(v.producer()), -1))
+        value = pending.pop()
+        node = value.producer()
+        if node is None or node.graph is not graph or value.is_graph_output() or node.outputs[0] is not value:
+            continue
+        others = {(id(user), i) for user, i in value.uses() if not _static_shape_reader(user, value)}
+        if others != row_uses[id(value)]:
+            continue  # also read elsewhere (or as a matrix): computed whole, gathered here
+        rows_at = _row_inputs(node, opset)
+        if rows_at is None:
+            continue
+        region[id(node)] = node
+        for i in rows_at:
+            v = node.inputs[i]
+            assert v is not None
+            if id(v) not in reads:
+                reads[id(v)] = v
+                pending.append(v)
+            row_uses.setdefault(id(v), set()).add((id(node), i))
+    nodes = sorted(region.values(), key=lambda n: order[id(n)])
+    boundary = [v for v in reads.values() if v.producer() is None or id(v.producer()) not in region]
+    return nodes, boundary
