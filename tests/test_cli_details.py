@@ -180,3 +180,23 @@ def test_a_weight_behind_a_non_differentiable_input_names_the_user_loss(tmp_path
     assert "trained name 'hi' does not reach loss 'loss'" in line
     assert "through input 2 (max) of Clip node" in line
     assert ("(scaled for mixed precision as 'scaled_loss')" in line) == bool(mixed)
+
+
+def test_build_for_a_device(tmp_path: Path, capsys) -> None:
+    """--device cpu: the bf16 stage graphs keep the ops onnxruntime's CPU provider lacks in fp32,
+    so every stage loads there; without --device a warning says they may not."""
+    import onnxruntime as ort
+
+    out = tmp_path / "cpu"
+    assert cli_main(["build", str(EXAMPLE), "--loss", "loss", "--save-stages", str(out),
+                     "--mixed-precision", "bfloat16", "--device", "cpu"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    stages = sorted(out.glob("*.onnx"))
+    assert len(stages) >= 4
+    for path in stages:
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert cli_main(["build", str(EXAMPLE), "--loss", "loss", "--save-stages", str(tmp_path / "any"),
+                     "--mixed-precision", "bfloat16"]) == 0
+    err = capsys.readouterr().err
+    assert "gradgraph build: warning: without --device the bfloat16 graphs assume every op has a bfloat16 " \
+           "kernel" in err and "pass --device cpu" in err

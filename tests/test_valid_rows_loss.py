@@ -114,14 +114,18 @@ def _run(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) 
     return session.run(outputs, {k: v for k, v in feeds.items() if k in names})
 
 
-def _decoder_input_rank(model: onnx.ModelProto) -> int:
-    """The rank of what the decoder MatMul (the one reading W2) multiplies: 2 when it runs on the
-    gathered rows, 3 on the whole [B, S, D] activation."""
+def _rank_of(model: onnx.ModelProto, name: str) -> int:
     inferred = onnx.shape_inference.infer_shapes(model)
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in
              [*inferred.graph.value_info, *inferred.graph.input] if v.type.tensor_type.HasField("shape")}
+    return ranks[name]
+
+
+def _decoder_input_rank(model: onnx.ModelProto) -> int:
+    """The rank of what the decoder MatMul (the one reading W2) multiplies: 2 when it runs on the
+    gathered rows, 3 on the whole [B, S, D] activation."""
     (node,) = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] == "W2"]
-    return ranks[node.input[0]]
+    return _rank_of(model, node.input[0])
 
 
 @pytest.mark.parametrize("form", ["sce", "nll"])
@@ -259,46 +263,58 @@ def test_mlp_with_gemm_and_relu() -> None:
         np.testing.assert_allclose(value, t[key].grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=key)
 
 
-def test_after_whole_scores_the_cut_rows_are_skipped_too() -> None:
-    """A causal LM's loss over logits[:, :-1]: WholeScoresLossPass ignores the cut positions'
-    labels (reading Shape(logits)), then this pass drops those rows; the Shape of the static
-    logits becomes a constant."""
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_after_whole_scores_the_cut_rows_are_skipped_too(dynamic) -> None:
+    """A causal LM's loss over logits[:, :-1] with padded labels: WholeScoresLossPass ignores
+    the cut positions' labels (reading Shape(logits)), then this pass drops those rows and the
+    padding's. Shape(logits) becomes a constant (static shapes) or the leading dims of the
+    value the rows are gathered from (dynamic: the Reshape before the head, as GPT-2 has it,
+    is then computed whole)."""
     rng = np.random.default_rng(9)
     w = rng.standard_normal((D, V)).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["h", "W"], ["logits"]),
+    lead = ["batch", "seq"] if dynamic else [B, S]
+    nodes = [helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["ln"], axis=-1),
+             helper.make_node("Shape", ["h"], ["h_shape"], end=-1),
+             helper.make_node("Concat", ["h_shape", "width"], ["target"], axis=0),
+             helper.make_node("Reshape", ["ln", "target"], ["r"]),
+             helper.make_node("MatMul", ["r", "W"], ["logits"]),
              helper.make_node("Slice", ["logits", "starts", "ends", "axes"], ["sliced"]),
              helper.make_node("Reshape", ["sliced", "flat2"], ["scores"]),
              helper.make_node("Slice", ["y", "ystarts", "yends", "axes"], ["y_sliced"]),
              helper.make_node("Reshape", ["y_sliced", "flat1"], ["labels"]),
              helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["loss"], ignore_index=-100)]
-    inits = {"W": w, "starts": np.array([0]), "ends": np.array([-1]), "axes": np.array([1]),
-             "ystarts": np.array([1]), "yends": np.array([S]), "flat2": np.array([-1, V]),
-             "flat1": np.array([-1])}
+    inits = {"W": w, "gamma": np.linspace(0.5, 1.5, D), "beta": np.linspace(-0.1, 0.1, D),
+             "starts": np.array([0]), "ends": np.array([-1]), "axes": np.array([1]),
+             "ystarts": np.array([1]), "yends": np.array([2**62]), "flat2": np.array([-1, V]),
+             "flat1": np.array([-1]), "width": np.array([D])}
+    floats = ("W", "gamma", "beta")
     graph = helper.make_graph(
-        nodes, "causal", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [B, S, D]),
-                          helper.make_tensor_value_info("y", TensorProto.INT64, [B, S])],
+        nodes, "causal", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [*lead, D]),
+                          helper.make_tensor_value_info("y", TensorProto.INT64, lead)],
         [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-        initializer=[numpy_helper.from_array(np.asarray(a, np.float32 if k == "W" else np.int64), k)
-                     for k, a in inits.items()])
+        initializer=[numpy_helper.from_array(np.asarray(a, np.float32 if k in floats else np.int64), k)
+                     for k, a in inits.items()],
+        # as the exporters record it: the reshaped value's leading dims under names of their own
+        value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, [*(["rb", "rs"] if dynamic else lead), D])])
     model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     ir_model = ir.from_proto(model)
     assert WholeScoresLossPass()(ir_model).modified
     assert ValidRowsLossPass()(ir_model).modified
     rewritten = ir.to_proto(ir_model)
-    assert not any(n.op_type == "Shape" for n in rewritten.graph.node)
-    (node,) = [n for n in rewritten.graph.node if n.op_type == "MatMul"]
-    assert node.input[0] != "h"  # the gathered rows
+    assert not any(n.op_type == "Shape" and n.input[0] == "logits" for n in rewritten.graph.node)
+    assert _rank_of(rewritten, next(n for n in rewritten.graph.node if n.op_type == "MatMul").input[0]) == 2
     h = rng.standard_normal((B, S, D)).astype(np.float32)
     y = rng.integers(0, V, (B, S))
-    y[0, 2] = -100
+    y[0, 2:] = -100  # padding
     loss, dh, dw = _run(build_gradient_graph(rewritten, "loss", ["h", "W"]), {"h": h, "y": y},
                         ["loss", "h_grad", "W_grad"])
     th = torch.tensor(h, dtype=torch.float64, requires_grad=True)
     tw = torch.tensor(w, dtype=torch.float64, requires_grad=True)
-    ref = torch.nn.functional.cross_entropy((th @ tw)[:, :-1].reshape(-1, V), torch.tensor(y)[:, 1:].reshape(-1),
+    ln = torch.nn.functional.layer_norm(th, (D,), torch.tensor(inits["gamma"]), torch.tensor(inits["beta"]))
+    ref = torch.nn.functional.cross_entropy((ln @ tw)[:, :-1].reshape(-1, V), torch.tensor(y)[:, 1:].reshape(-1),
                                             ignore_index=-100)
     ref.backward()
     np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
     np.testing.assert_allclose(dh, th.grad.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-4, atol=1e-5)
-    assert not dh[:, -1].any()  # the last position's logits are not read
+    assert not dh[:, -1].any() and not dh[0, 1:].any()  # the last position and the padding are not read

@@ -30,8 +30,13 @@ median over rounds of the per-round ratios gradgraph / torch and gradgraph /
 onnxruntime-training (below 1: gradgraph is faster) with their min-max; each peer's peak RSS
 (max over rounds); the step's FLOPs (forward + backward, counted once per model by torch's
 torch.utils.flop_counter.FlopCounterMode on the peer module in a child; matmuls, convolutions
-and attention only; the optimizer's FLOPs are negligible), gradgraph's achieved GFLOP/s (FLOPs /
-its median step time) and that as a percentage of the GEMM peak: a 2048x2048 float32 MatMul
+and attention only; the optimizer's FLOPs are negligible); the FLOPs gradgraph's training graph
+executes (its MatMul / Gemm / FusedMatMul nodes, from the shapes onnxruntime's profiler
+records in one profiled step in a child of its own: fewer than torch's where the graph skips
+work, e.g. the rows a loss ignores, passes/kernels/valid_rows_loss.py); gradgraph's achieved
+GFLOP/s (executed FLOPs / its median step time) and that as a percentage of the GEMM peak, and
+in parentheses the effective percentage (torch's FLOPs / the step time, which a graph that
+skips work can push past 100): the GEMM peak is a 2048x2048 float32 MatMul
 (2 * 2048^3 FLOPs, both operands graph inputs, output preallocated) in the same onnxruntime, with
 the same threads and provider, timed in a child (median of 10 runs after 3 warm-ups) at the start
 of every measurement run and printed above its table.
@@ -151,6 +156,64 @@ def child_flops(name: str, args) -> dict:
         module(*inputs).backward()
     by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
     return {"ok": True, "flops": int(counter.get_total_flops()), "by_op": by_op}
+
+
+def _matmul_flops(op: str, shapes: list, out: list) -> int:
+    """FLOPs of a MatMul / Gemm / FusedMatMul run from its input and output shapes: 2 x the
+    output's elements x the inner dim (the larger of the two operands' own, so that a
+    broadcast operand does not count its batch)."""
+    import math
+
+    if len(out) < 2 or len(shapes) < 2 or len(shapes[0]) < 2 or len(shapes[1]) < 2:
+        inner = shapes[0][-1] if shapes and shapes[0] else 1
+        return 2 * math.prod(out) * inner
+    size = math.prod(out)
+    if size == 0:
+        return 0
+    a, b = math.prod(shapes[0]), math.prod(shapes[1])
+    inner = max(a * out[-1], b * out[-2]) // size
+    return 2 * size * inner
+
+
+def child_executed(name: str, out_dir: str, args) -> dict:
+    """The FLOPs gradgraph's training graph runs in one step (matmul-family nodes), from the
+    shapes in onnxruntime's profile of a second step (the first allocates)."""
+    import json
+
+    import numpy as np
+    import onnx
+
+    from gradgraph import TrainingSession
+    from gradgraph.training.build import TrainingConfig
+    from passes.optimizer import AdamWConfig
+
+    path = os.path.join(out_dir, f"{name}.onnx")
+    feeds = dict(np.load(os.path.join(out_dir, f"{name}_inputs.npz")))
+    trained = _trainable(onnx.load(path, load_external_data=False))
+    config = TrainingConfig(loss="loss", optimizer=AdamWConfig(eps=EPS, weight_decay=0.0),
+                            weights_to_train=tuple(trained))
+    opts = _session_options(args)
+    opts.enable_profiling = True
+    opts.profile_file_prefix = os.path.join(out_dir, f"{name}_flops")
+    session = TrainingSession(path, config, sess_options=opts, providers=_providers(args))
+    steps = 2
+    for _ in range(steps):
+        session.train_step(feeds, lr=LR)
+    profile = session._train.session.end_profiling()
+    with open(profile) as f:
+        events = json.load(f)
+    os.remove(profile)
+    total = 0
+    for ev in events:
+        op = ev.get("args", {}).get("op_name")
+        if ev.get("cat") != "Node" or not ev.get("name", "").endswith("_kernel_time") or op not in (
+                "MatMul", "Gemm", "FusedMatMul"):
+            continue
+        shapes = [list(next(iter(d.values()))) for d in ev["args"].get("input_type_shape", [])]
+        out = [list(next(iter(d.values()))) for d in ev["args"].get("output_type_shape", [])]
+        if out:
+            total += _matmul_flops(op, shapes, out[0])
+    return {"ok": True, "flops": total // steps}
 
 
 def child_gemm(args) -> dict:
@@ -308,6 +371,10 @@ def _setup(name: str, out_dir: str, args) -> dict | None:
     flops = run_child(_me(args, "flops", name))
     if not flops.get("ok"):
         print(f"WARNING: {name}: FLOP count failed: {flops.get('error')}")
+    executed = run_child(_me(args, "executed", name, out_dir))
+    if not executed.get("ok"):
+        print(f"WARNING: {name}: gradgraph's executed FLOPs not counted: {executed.get('error')}")
+    flops["executed"] = executed.get("flops")
     gen = _ort_gen(name, out_dir, args)
     if not gen.get("ok"):
         print(f"NOTE: {name}: onnxruntime-training not measured: {gen.get('error')}")
@@ -335,11 +402,13 @@ def _measure(names: list[str], setups: dict[str, dict], out_dir: str, args, run:
                 f"{peer} {_fmt(rec.get('median_ms') if rec.get('ok') else None)} ms "
                 f"(other load {_fmt(rec.get('other_cores'), '.2f')})" for peer, rec in one.items()))
             rounds.append(one)
-        models[name] = _summary(rounds, setups[name]["flops"].get("flops"), gemm.get("gflops"))
+        models[name] = _summary(rounds, setups[name]["flops"].get("flops"), gemm.get("gflops"),
+                                setups[name]["flops"].get("executed"))
     return {"gemm": gemm, "models": models}
 
 
-def _summary(rounds: list[dict], flops: int | None, gemm_gflops: float | None) -> dict:
+def _summary(rounds: list[dict], flops: int | None, gemm_gflops: float | None,
+             executed: int | None = None) -> dict:
     ok = {p: [r[p] for r in rounds if r[p].get("ok")] for p in PEERS}
     med = {p: statistics.median(rec["median_ms"] for rec in ok[p]) if ok[p] else None for p in PEERS}
     rss = {p: max(rec["peak_rss_mb"] for rec in ok[p]) if ok[p] else None for p in PEERS}
@@ -351,10 +420,13 @@ def _summary(rounds: list[dict], flops: int | None, gemm_gflops: float | None) -
             ratios[label] = {"median": statistics.median(per_round), "min": min(per_round),
                              "max": max(per_round), "per_round": per_round}
     gg = med["gradgraph"]
-    gflops = flops / (gg * 1e-3) / 1e9 if flops and gg else None
+    effective = flops / (gg * 1e-3) / 1e9 if flops and gg else None
+    gflops = executed / (gg * 1e-3) / 1e9 if executed and gg else None
     peak = 100.0 * gflops / gemm_gflops if gflops and gemm_gflops else None
-    return {"median_ms": med, "peak_rss_mb": rss, "ratios": ratios, "flops": flops, "gflops": gflops,
-            "pct_gemm_peak": peak, "rounds": rounds}
+    effective_peak = 100.0 * effective / gemm_gflops if effective and gemm_gflops else None
+    return {"median_ms": med, "peak_rss_mb": rss, "ratios": ratios, "flops": flops, "executed_flops": executed,
+            "gflops": gflops, "pct_gemm_peak": peak, "effective_gflops": effective,
+            "effective_pct_gemm_peak": effective_peak, "rounds": rounds}
 
 
 def _report(result: dict, args, run: int) -> None:
@@ -369,8 +441,9 @@ def _report(result: dict, args, run: int) -> None:
     print()
     print("| model | gradgraph ms | torch ms | ort-training ms | gradgraph / torch (min-max) "
           "| gradgraph / ort-training (min-max) | peak RSS MB gradgraph / torch / ort-training "
-          "| step GFLOP (fwd+bwd) | gradgraph GFLOP/s | % of GEMM peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| step GFLOP (fwd+bwd, torch) | gradgraph executed GFLOP | gradgraph GFLOP/s (executed) "
+          "| % of GEMM peak (effective) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     warnings = []
     for name, s in result["models"].items():
         cells = [name, *(_fmt(s["median_ms"][p]) for p in PEERS)]
@@ -384,8 +457,9 @@ def _report(result: dict, args, run: int) -> None:
                     f"({ratio['min']:.2f}-{ratio['max']:.2f}), more than {args.max_spread}: the machine was "
                     f"busy during the measurement and this ratio is not reliable.")
         cells.append(" / ".join(_fmt(s["peak_rss_mb"][p], ".0f") for p in PEERS))
-        cells += [_fmt(s["flops"] / 1e9 if s["flops"] else None, ".2f"), _fmt(s["gflops"]),
-                  _fmt(s["pct_gemm_peak"], ".0f")]
+        cells += [_fmt(s["flops"] / 1e9 if s["flops"] else None, ".2f"),
+                  _fmt(s["executed_flops"] / 1e9 if s.get("executed_flops") else None, ".2f"), _fmt(s["gflops"]),
+                  f"{_fmt(s['pct_gemm_peak'], '.0f')} ({_fmt(s.get('effective_pct_gemm_peak'), '.0f')})"]
         print("| " + " | ".join(cells) + " |")
     print()
     for line in warnings:
@@ -446,7 +520,7 @@ def main() -> None:
     parser.add_argument("--ort-venv", default=os.environ.get("GRADGRAPH_ORT_TRAINING_VENV",
                                                              str(ROOT / ".venv-ort-training")))
     parser.add_argument("--json", help="write every child's record and the summaries here")
-    parser.add_argument("--child", choices=["export", "flops", "gemm", "gradgraph", "torch"])
+    parser.add_argument("--child", choices=["export", "flops", "executed", "gemm", "gradgraph", "torch"])
     parser.add_argument("--model")
     parser.add_argument("--dir")
     args = parser.parse_args()
@@ -454,6 +528,7 @@ def main() -> None:
     if args.child:
         fn = {"export": lambda: child_export(args.model, args.dir),
               "flops": lambda: child_flops(args.model, args),
+              "executed": lambda: child_executed(args.model, args.dir, args),
               "gemm": lambda: child_gemm(args),
               "gradgraph": lambda: child_gradgraph(args.model, args.dir, args),
               "torch": lambda: child_torch(args.model, args.dir, args)}[args.child]

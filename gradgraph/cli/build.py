@@ -7,6 +7,7 @@ import dataclasses
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument("--clip", type=float, default=None, help="global gradient-norm clipping")
     add_pass_arguments(p)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="the execution provider the graphs are for: mixed precision and cast "
+                   "propagation keep in fp32 the ops its kernels lack in the low precision, and "
+                   "cuda computes a training BatchNorm from standard ops (default: every kernel "
+                   "assumed, as on onnxruntime's CUDA provider)")
     p.set_defaults(func=run)
     return p
 
@@ -93,6 +99,27 @@ def _check_dims(dims: dict[str, int], artifacts: TrainingArtifacts) -> None:
     check_dim_names(list(dims), known, "--dim")
 
 
+def _providers(args: argparse.Namespace) -> list[str] | None:
+    """The providers --device names (None: every kernel assumed)."""
+    if args.device == "cuda":
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if args.device == "cpu":
+        return ["CPUExecutionProvider"]
+    return None
+
+
+def _warn_without_device(config: object) -> None:
+    """Low-precision graphs built without --device may hold ops onnxruntime's CPU provider
+    cannot run."""
+    low = getattr(getattr(config, "mixed_precision", None), "dtype", None)
+    cast = getattr(getattr(config, "graph_transformer", None), "propagate_cast_ops", None)
+    if low is not None or (cast is not None and cast.enabled):
+        low = low or "float16"
+        warnings.warn(f"without --device the {low} graphs assume every op has a {low} kernel (as "
+                      "onnxruntime's CUDA provider has); onnxruntime's CPU provider lacks many, so "
+                      "they may not run there: pass --device cpu to keep those ops in fp32", stacklevel=2)
+
+
 def _replaced(name: str) -> bool:
     """Files of an earlier build in --save-stages DIR that this build replaces."""
     from gradgraph.pipeline import is_stage_file
@@ -120,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
     with staged_folder(out, replaces=_replaced) as folder:
         config = dataclasses.replace(config, debug=dataclasses.replace(  # type: ignore[type-var]
             config.debug, save_stages=str(folder)))  # type: ignore[attr-defined]
-        artifacts = build_training_artifacts(args.model, config)  # type: ignore[arg-type]
+        providers = _providers(args)
+        artifacts = build_training_artifacts(args.model, config,  # type: ignore[arg-type]
+                                             providers=providers)
+        if providers is None:
+            _warn_without_device(config)
         _check_dims(dims, artifacts)
         text = summary_text(artifacts, dims)
         atomic_write_bytes(folder / SUMMARY_NAME, text.encode())

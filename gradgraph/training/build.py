@@ -175,6 +175,10 @@ def kernel_support(providers: Sequence[Any] | None, dtype: str) -> Any:
     if not providers:
         return None
     names = provider_names(providers)
+    import onnxruntime as ort
+
+    if names[0] not in ort.get_available_providers():
+        return None  # cannot be probed here (a CUDA build made on a CPU machine): assume all, as on a GPU
     if dtype == "bfloat16" and names[0] == "CPUExecutionProvider":
         return lambda op_type, domain, value_type: False
     from gradgraph.kernels import training_kernel_predicate

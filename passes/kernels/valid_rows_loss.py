@@ -25,12 +25,14 @@ Rewritten when all of these hold (anything else is left alone):
   1-D labels, ``reduction`` ``mean`` or ``sum``, with an ``ignore_index`` attribute (torch's
   cross_entropy always exports one) that the labels' dtype can hold, its ``log_prob`` unused;
 * the part computed per row contains a MatMul or Gemm (otherwise there is little to save);
-* each node of that part works row by row on its row-shaped inputs, all of the same leading
-  shape as its output (known, equal dims): a unary or binary elementwise op (its other inputs
-  broadcast along the last axis only), MatMul by a 2-D matrix, Gemm without transA,
-  LayerNormalization / Softmax / LogSoftmax over the last axis, a Reshape that keeps the last
-  dim; each of its values is read by that part only (not by another node, not a graph output),
-  with a known static last dim.
+* each node of that part works row by row: a unary op, MatMul by a 2-D matrix, Gemm without
+  transA, LayerNormalization / Softmax / LogSoftmax over the last axis (input and output of
+  the same rank), a binary elementwise op whose row inputs have the output's leading dims
+  (known and equal: no broadcasting over rows) and whose other inputs broadcast along the last
+  axis only, a Reshape that keeps the last dim; each of its values has a static last dim and
+  is read by that part only (not by another node, not a graph output), or by a ``Shape``: that
+  gets a constant (static shape) or the leading dims of the value outside the part they come
+  from (then no Reshape on the way is rewritten).
 
 A rewritten SoftmaxCrossEntropyLoss is written as LogSoftmax + NegativeLogLikelihoodLoss (its
 function body; onnxruntime's inlined function cannot reshape the empty scores of a batch whose
@@ -109,21 +111,24 @@ def _row_inputs(node: ir.Node, opset: int) -> list[int] | None:
         return None
     if op == "Reshape":
         return [0] if _last_dim(x) == _last_dim(out) else None
+    # unary ops, the last-axis ops and MatMul by a matrix keep the rows by definition: only
+    # the ranks must agree (an inferred shape may name the same dims differently, or not at all)
+    same_rank = len(_dims(x) or []) == len(_dims(out) or [])
     if op in _UNARY:
-        return [0] if _same_rows(x, out) and _last_dim(x) == _last_dim(out) else None
+        return [0] if same_rank and _last_dim(x) == _last_dim(out) else None
     if op in _LAST_AXIS:
         rank = len(_dims(out) or [])
         axis = node.attributes.get("axis")
         default = 1 if op != "LayerNormalization" and opset < 13 else -1
         a = axis.as_int() if axis is not None else default
-        if (a + rank if a < 0 else a) != rank - 1 or not _same_rows(x, out):
+        if (a + rank if a < 0 else a) != rank - 1 or not same_rank:
             return None
         if any(v is not None and len(_dims(v) or [0, 0]) != 1 for v in node.inputs[1:]):
             return None  # LayerNormalization's scale and bias: 1-D over the last axis
         return [0]
     if op in _MATMUL:
         w = node.inputs[1] if len(node.inputs) > 1 else None
-        if w is None or len(_dims(w) or []) != 2 or not _same_rows(x, out):
+        if w is None or len(_dims(w) or []) != 2 or not same_rank:
             return None
         if op == "Gemm":
             trans_a = node.attributes.get("transA")
@@ -226,7 +231,7 @@ class ValidRowsLossPass(InPlacePass):
         loss.replace_input_with(1, kept_labels.value)
         if len(loss.outputs) > 1:
             loss.outputs[1].shape = ir.Shape([None, _last_dim(scores)])
-        _shape_constants(graph, region)
+        _shapes_without_values(graph, region, opset)
         graph.remove(list(reversed(region)), safe=True)
         if loss.op_type == "SoftmaxCrossEntropyLoss":
             # onnxruntime's SoftmaxCrossEntropyLoss (its inlined function) cannot reshape empty
@@ -244,33 +249,55 @@ def _int64_const(graph: ir.Graph, nodes: list[ir.Node], values: list[int], prefi
     return out
 
 
-def _static_shape_reader(user: ir.Node, value: ir.Value) -> bool:
-    """``user`` is a Shape of ``value``, whose shape is known: it needs no value."""
+def _shape_reader(user: ir.Node, value: ir.Value) -> bool:
+    """``user`` is a Shape of ``value`` (of known rank and last dim): it needs the shape only,
+    which the rewrite gives it without the value (see _shapes_without_values)."""
     dims = _dims(value)
-    return (user.op_type == "Shape" and user.domain in DEFAULT_DOMAINS and dims is not None
-            and all(isinstance(d, int) for d in dims))
+    return user.op_type == "Shape" and user.domain in DEFAULT_DOMAINS and dims is not None and _last_dim(value) is not None
 
 
-def _shape_constants(graph: ir.Graph, region: list[ir.Node]) -> None:
-    """Each Shape of a region value (static shape, see _static_shape_reader) becomes a
-    constant, so that the value itself can go."""
+def _shapes_without_values(graph: ir.Graph, region: list[ir.Node], opset: int) -> None:
+    """Each Shape of a region value gets the shape without the value: a constant for a static
+    shape, else the leading dims of the value outside the region they come from (the region's
+    nodes but Reshape keep their row inputs' leading dims; _region keeps a Reshape out of such
+    a path) and the value's static last dim."""
+    inside = {id(n) for n in region}
     for node in region:
-        for value in node.outputs:
-            for user, _ in list(value.uses()):
-                if not _static_shape_reader(user, value):
-                    continue
-                dims = np.array(list(value.shape or []), dtype=np.int64)
-                start, end = user.attributes.get("start"), user.attributes.get("end")
-                picked = dims[slice(start.as_int() if start is not None else None,
-                                    end.as_int() if end is not None else None)]
-                name = user.outputs[0].name or f"{user.name}_shape"
+        value = node.outputs[0]
+        for user, _ in list(value.uses()):
+            if not _shape_reader(user, value):
+                continue
+            dims = list(value.shape or [])
+            start, end = user.attributes.get("start"), user.attributes.get("end")
+            name = user.outputs[0].name or f"{user.name}_shape"
+            if all(isinstance(d, int) for d in dims):
+                picked = np.array(dims, dtype=np.int64)[slice(start.as_int() if start is not None else None,
+                                                               end.as_int() if end is not None else None)]
                 tensor = ir.tensor(picked, name=f"{name}/static")
-                const = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], name=f"{name}/static_node")
-                const.outputs[0].type, const.outputs[0].shape = ir.TensorType(ir.DataType.INT64), ir.Shape(picked.shape)
-                const.outputs[0].const_value = tensor
-                graph.insert_before(user, const)
-                take_over(graph, user.outputs[0], const.outputs[0])
-                graph.remove(user, safe=True)
+                nodes = [ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], name=f"{name}/static_node")]
+                nodes[0].outputs[0].type = ir.TensorType(ir.DataType.INT64)
+                nodes[0].outputs[0].shape, nodes[0].outputs[0].const_value = ir.Shape(picked.shape), tensor
+            else:
+                source = value
+                while source.producer() is not None and id(source.producer()) in inside:
+                    producer = source.producer()
+                    assert producer is not None and producer.op_type != "Reshape"
+                    rows_at = _row_inputs(producer, opset)
+                    assert rows_at
+                    source = producer.inputs[rows_at[0]]  # type: ignore[assignment]
+                b = OpBuilder(opset)
+                b.prefix = f"{name}/valid_rows"
+                lead = (b.Shape(b.wrap(source), end=-1) if opset >= 15 else
+                        b.Slice(b.Shape(b.wrap(source)), b.const(np.array([0])), b.const(np.array([-1]))))
+                full = b.Concat(lead, b.const(np.array([dims[-1]], dtype=np.int64)), axis=0)
+                if start is not None or end is not None:
+                    full = b.Slice(full, b.const(np.array([start.as_int() if start is not None else 0])),
+                                   b.const(np.array([end.as_int() if end is not None else 2**62])))
+                nodes = b.nodes
+                scope_taken_names(graph, nodes, b.prefix)
+            graph.insert_before(user, nodes)
+            take_over(graph, user.outputs[0], nodes[-1].outputs[0])
+            graph.remove(user, safe=True)
 
 
 def _region(graph: ir.Graph, scores: ir.Value, loss: ir.Node,
@@ -279,7 +306,9 @@ def _region(graph: ir.Graph, scores: ir.Value, loss: ir.Node,
     values they read from outside it (where the gathering happens)."""
     order = {id(n): i for i, n in enumerate(graph)}
     region: dict[int, ir.Node] = {}
-    # a Shape of a value of static shape does not need the value (its Constant replaces it)
+    # a Shape of a region value does not need the value (_shapes_without_values); a value whose
+    # dynamic leading dims a Shape reads is anchored: so is the row input they come from
+    anchored: set[int] = set()
     reads: dict[int, ir.Value] = {id(scores): scores}  # row-shaped values read by the region
     row_uses: dict[int, set[tuple[int, int]]] = {id(scores): {(id(loss), 0)}}
     pending = [scores]
@@ -291,12 +320,19 @@ def _region(graph: ir.Graph, scores: ir.Value, loss: ir.Node,
         node = value.producer()
         if node is None or node.graph is not graph or value.is_graph_output() or node.outputs[0] is not value:
             continue
-        others = {(id(user), i) for user, i in value.uses() if not _static_shape_reader(user, value)}
+        others = {(id(user), i) for user, i in value.uses() if not _shape_reader(user, value)}
         if others != row_uses[id(value)]:
             continue  # also read elsewhere (or as a matrix): computed whole, gathered here
         rows_at = _row_inputs(node, opset)
         if rows_at is None:
             continue
+        dims = _dims(value) or []
+        if len(others) < len(value.uses()) and not all(isinstance(d, int) for d in dims):
+            anchored.add(id(value))  # its Shape is read: its leading dims must come from outside
+        if id(value) in anchored and node.op_type == "Reshape":
+            continue  # the leading dims a Shape reads would be lost: the reshaped value is gathered
+        if id(value) in anchored:
+            anchored.add(id(node.inputs[rows_at[0]]))
         region[id(node)] = node
         for i in rows_at:
             v = node.inputs[i]
