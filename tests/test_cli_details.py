@@ -200,3 +200,17 @@ def test_build_for_a_device(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert "gradgraph build: warning: without --device the bfloat16 graphs assume every op has a bfloat16 " \
            "kernel" in err and "pass --device cpu" in err
+
+
+def test_kernel_support_probes_what_can_run_here() -> None:
+    """A session's providers with a CPU fallback are probed on the CPU; graphs built for CUDA
+    alone on a machine without it assume every kernel (nothing here can be probed)."""
+    import onnxruntime as ort
+
+    from gradgraph.training.build import kernel_support
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("a CUDA build of onnxruntime probes CUDA itself")
+    assert kernel_support(["CUDAExecutionProvider"], "float16") is None
+    # the session falls back to the CPU: its kernels are what the graphs must use (probed)
+    assert kernel_support(["CUDAExecutionProvider", "CPUExecutionProvider"], "float16") is not None

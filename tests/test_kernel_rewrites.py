@@ -440,3 +440,24 @@ def test_decomposed_training_batch_norm_with_half_inputs_and_float_statistics(x_
     np.testing.assert_allclose(y.astype(np.float64), want, rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(mean_out, init["mean"] * momentum + mean * (1 - momentum), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(var_out, init["var"] * momentum + var * (1 - momentum), rtol=1e-5, atol=1e-6)
+
+
+def test_split_unnamed_losses_get_distinct_names() -> None:
+    """Two unnamed SoftmaxCrossEntropyLoss nodes: their LogSoftmax values are named apart."""
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("SoftmaxCrossEntropyLoss", ["x", "y"], ["l1"]),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["x2", "y"], ["l2"]),
+             helper.make_node("Add", ["l1", "l2"], ["loss"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 5]),
+                                           helper.make_tensor_value_info("x2", TensorProto.FLOAT, [6, 5]),
+                                           helper.make_tensor_value_info("y", TensorProto.INT64, [6])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    ir_model = ir.from_proto(onnx.shape_inference.infer_shapes(model))
+    assert SplitSoftmaxCrossEntropyPass()(ir_model).modified
+    rewritten = ir.to_proto(ir_model)
+    onnx.checker.check_model(rewritten)
+    feeds = {"x": rng.standard_normal((6, 5)).astype(np.float32), "x2": rng.standard_normal((6, 5)).astype(np.float32),
+             "y": np.array([0, 2, 4, 2, 1, 3], np.int64)}
+    np.testing.assert_allclose(_run(rewritten, feeds)[0], _run(model, feeds)[0], rtol=1e-6)

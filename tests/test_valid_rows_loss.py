@@ -318,3 +318,28 @@ def test_after_whole_scores_the_cut_rows_are_skipped_too(dynamic) -> None:
     np.testing.assert_allclose(dh, th.grad.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-4, atol=1e-5)
     assert not dh[:, -1].any() and not dh[0, 1:].any()  # the last position and the padding are not read
+
+
+def test_a_shape_read_in_a_subgraph_stops_the_rewrite_there() -> None:
+    """An If branch reads Shape(logits): the logits stay whole (the branch is not rewritten)."""
+    rng = np.random.default_rng(10)
+    w = rng.standard_normal((D, V)).astype(np.float32)
+    then = helper.make_graph([helper.make_node("Shape", ["logits"], ["s"])], "then", [],
+                             [helper.make_tensor_value_info("s", TensorProto.INT64, [3])])
+    nodes = [helper.make_node("MatMul", ["h", "W"], ["logits"]),
+             helper.make_node("If", ["cond"], ["shape"], then_branch=then, else_branch=then),
+             helper.make_node("Reshape", ["logits", "flat2"], ["scores"]),
+             helper.make_node("Reshape", ["y", "flat1"], ["labels"]),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["loss"], ignore_index=-100)]
+    graph = helper.make_graph(
+        nodes, "sub", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [B, S, D]),
+                       helper.make_tensor_value_info("y", TensorProto.INT64, [B, S]),
+                       helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("shape", TensorProto.INT64, [3])],
+        initializer=[numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array([-1, V]), "flat2"),
+                     numpy_helper.from_array(np.array([-1]), "flat1")])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    ir_model = ir.from_proto(model)
+    assert not ValidRowsLossPass()(ir_model).modified
+    onnx.checker.check_model(ir.to_proto(ir_model))

@@ -158,26 +158,23 @@ def child_flops(name: str, args) -> dict:
     return {"ok": True, "flops": int(counter.get_total_flops()), "by_op": by_op}
 
 
-def _matmul_flops(op: str, shapes: list, out: list) -> int:
+def _matmul_flops(shapes: list, out: list) -> int:
     """FLOPs of a MatMul / Gemm / FusedMatMul run from its input and output shapes: 2 x the
-    output's elements x the inner dim (the larger of the two operands' own, so that a
-    broadcast operand does not count its batch)."""
+    output's elements x the inner dim K. The profile has no attributes: A is [.., M, K], or
+    [.., K, M] transposed, so K is A's last dim unless that is M (then its other dim: the same
+    number when K == M)."""
     import math
 
-    if len(out) < 2 or len(shapes) < 2 or len(shapes[0]) < 2 or len(shapes[1]) < 2:
-        inner = shapes[0][-1] if shapes and shapes[0] else 1
-        return 2 * math.prod(out) * inner
-    size = math.prod(out)
-    if size == 0:
-        return 0
-    a, b = math.prod(shapes[0]), math.prod(shapes[1])
-    inner = max(a * out[-1], b * out[-2]) // size
-    return 2 * size * inner
+    a = shapes[0] if shapes else []
+    if len(a) < 2 or len(out) < 2:
+        return 2 * math.prod(out) * (a[-1] if a else 1)
+    inner = a[-1] if a[-1] != out[-2] else a[-2]
+    return 2 * math.prod(out) * inner
 
 
 def child_executed(name: str, out_dir: str, args) -> dict:
     """The FLOPs gradgraph's training graph runs in one step (matmul-family nodes), from the
-    shapes in onnxruntime's profile of a second step (the first allocates)."""
+    shapes in onnxruntime's profile of two steps (the same feeds), halved."""
     import json
 
     import numpy as np
@@ -212,7 +209,7 @@ def child_executed(name: str, out_dir: str, args) -> dict:
         shapes = [list(next(iter(d.values()))) for d in ev["args"].get("input_type_shape", [])]
         out = [list(next(iter(d.values()))) for d in ev["args"].get("output_type_shape", [])]
         if out:
-            total += _matmul_flops(op, shapes, out[0])
+            total += _matmul_flops(shapes, out[0])
     return {"ok": True, "flops": total // steps}
 
 

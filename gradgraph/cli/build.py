@@ -60,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="the execution provider the graphs are for: mixed precision and cast "
                    "propagation keep in fp32 the ops its kernels lack in the low precision, and "
                    "cuda computes a training BatchNorm from standard ops (default: every kernel "
-                   "assumed, as on onnxruntime's CUDA provider)")
+                   "assumed, as on onnxruntime's CUDA provider, and a training BatchNorm kept)")
     p.set_defaults(func=run)
     return p
 
@@ -102,7 +102,8 @@ def _check_dims(dims: dict[str, int], artifacts: TrainingArtifacts) -> None:
 def _providers(args: argparse.Namespace) -> list[str] | None:
     """The providers --device names (None: every kernel assumed)."""
     if args.device == "cuda":
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        # CUDA alone: on a machine without it, the CPU's kernels must not be probed in its place
+        return ["CUDAExecutionProvider"]
     if args.device == "cpu":
         return ["CPUExecutionProvider"]
     return None

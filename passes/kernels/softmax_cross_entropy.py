@@ -43,6 +43,10 @@ class SplitSoftmaxCrossEntropyPass(InPlacePass):
         weights = node.inputs[2] if len(node.inputs) > 2 else None
         loss = node.outputs[0]
         log_prob = node.outputs[1] if len(node.outputs) > 1 else None
+        if not node.name:  # the values below are named after it
+            taken = {n.name for n in graph}
+            node.name = next(f"SoftmaxCrossEntropyLoss_{k}" for k in range(len(taken) + 1)
+                             if f"SoftmaxCrossEntropyLoss_{k}" not in taken)
         log_softmax = ir.Node("", "LogSoftmax", [scores], [ir.AttrInt64("axis", 1)],
                               name=f"{node.name}/LogSoftmax", metadata_props=dict(node.metadata_props))
         lp = log_softmax.outputs[0]

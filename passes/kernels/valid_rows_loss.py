@@ -253,7 +253,8 @@ def _shape_reader(user: ir.Node, value: ir.Value) -> bool:
     """``user`` is a Shape of ``value`` (of known rank and last dim): it needs the shape only,
     which the rewrite gives it without the value (see _shapes_without_values)."""
     dims = _dims(value)
-    return user.op_type == "Shape" and user.domain in DEFAULT_DOMAINS and dims is not None and _last_dim(value) is not None
+    return (user.op_type == "Shape" and user.domain in DEFAULT_DOMAINS and dims is not None
+            and _last_dim(value) is not None and user.graph is value.graph)  # not in an If / Loop body
 
 
 def _shapes_without_values(graph: ir.Graph, region: list[ir.Node], opset: int) -> None:
