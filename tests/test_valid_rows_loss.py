@@ -343,3 +343,26 @@ def test_a_shape_read_in_a_subgraph_stops_the_rewrite_there() -> None:
     ir_model = ir.from_proto(model)
     assert not ValidRowsLossPass()(ir_model).modified
     onnx.checker.check_model(ir.to_proto(ir_model))
+
+
+def test_a_batch_without_labels_is_a_skipped_step(tmp_path) -> None:
+    """Training: a batch whose labels are all ignored gives a NaN loss (mean, as torch) and the
+    step changes nothing; the next batch trains as the same session without it would."""
+    import gradgraph
+
+    rng = np.random.default_rng(11)
+    path = tmp_path / "head.onnx"
+    onnx.save(_head_model("sce", "mean", TensorProto.INT64, False, True, _params(rng)), path)
+    config = gradgraph.TrainingConfig(loss="loss", optimizer=gradgraph.AdamWConfig(), weights_to_train=tuple(WEIGHTS))
+    session = gradgraph.TrainingSession(str(path), config, providers=["CPUExecutionProvider"])
+    twin = gradgraph.TrainingSession(str(path), config, providers=["CPUExecutionProvider"])
+    before = session.get_state()
+    loss = session.train_step(_feeds(rng, TensorProto.INT64, ignored=1.1), lr=1e-2)
+    assert np.isnan(loss) and not session.last_step_finite and session.skipped_steps == 1
+    after = session.get_state()
+    for name in WEIGHTS:
+        np.testing.assert_array_equal(after[name], before[name])
+    feeds = _feeds(rng, TensorProto.INT64, ignored=0.5)
+    assert session.train_step(feeds, lr=1e-2) == twin.train_step(feeds, lr=1e-2)
+    for name in WEIGHTS:
+        np.testing.assert_array_equal(session.get_state()[name], twin.get_state()[name])
