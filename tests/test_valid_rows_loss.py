@@ -366,3 +366,22 @@ def test_a_batch_without_labels_is_a_skipped_step(tmp_path) -> None:
     assert session.train_step(feeds, lr=1e-2) == twin.train_step(feeds, lr=1e-2)
     for name in WEIGHTS:
         np.testing.assert_array_equal(session.get_state()[name], twin.get_state()[name])
+
+
+@pytest.mark.parametrize("form", ["sce", "nll"])
+def test_every_label_ignored_gives_torchs_zero_gradient(form) -> None:
+    """mean over no labels: the loss is NaN, the gradient zero (torch's), not NaN: a plain
+    optimizer step after it changes nothing (ORTModule hands these gradients to torch)."""
+    rng = np.random.default_rng(12)
+    params = _params(rng)
+    model = _head_model(form, "mean", TensorProto.INT64, True, False, params)
+    feeds = _feeds(rng, TensorProto.INT64, ignored=1.1)
+    grads = build_gradient_graph(model, "loss", ["h", *WEIGHTS])  # the rule alone, no rewrite
+    loss, *got = _run(grads, feeds, ["loss", "h_grad", *[f"{w}_grad" for w in WEIGHTS]])
+    t = torch.tensor(feeds["h"], dtype=torch.float64, requires_grad=True)
+    ref = torch.nn.functional.cross_entropy(t.reshape(-1, D) @ torch.ones(D, V, dtype=torch.float64),
+                                            torch.full((B * S,), -100), ignore_index=-100)
+    ref.backward()
+    assert np.isnan(loss) and math.isnan(ref.item()) and not t.grad.any()
+    for name, value in zip(["h", *WEIGHTS], got, strict=True):
+        assert np.all(value == 0.0), name

@@ -280,7 +280,9 @@ def _per_sample_grad(b, n, go, w):
         return go * w
     if reduction == "sum":
         return go * w
-    return go * w / b.ReduceSum(w, keepdims=0)
+    # every label ignored: the loss is 0 / 0 (NaN) but, as torch's, the gradient is zero
+    total = b.ReduceSum(w, keepdims=0)
+    return go * w / b.Where(b.Equal(total, 0.0), 1.0, total, _like=total)
 
 
 def _subtract_at_labels(b, dense, labels, amount):
