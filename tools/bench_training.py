@@ -177,22 +177,10 @@ def child_executed(name: str, out_dir: str, args) -> dict:
     shapes in onnxruntime's profile of two steps (the same feeds), halved."""
     import json
 
-    import numpy as np
-    import onnx
-
-    from gradgraph import TrainingSession
-    from gradgraph.training.build import TrainingConfig
-    from passes.optimizer import AdamWConfig
-
-    path = os.path.join(out_dir, f"{name}.onnx")
-    feeds = dict(np.load(os.path.join(out_dir, f"{name}_inputs.npz")))
-    trained = _trainable(onnx.load(path, load_external_data=False))
-    config = TrainingConfig(loss="loss", optimizer=AdamWConfig(eps=EPS, weight_decay=0.0),
-                            weights_to_train=tuple(trained))
     opts = _session_options(args)
     opts.enable_profiling = True
     opts.profile_file_prefix = os.path.join(out_dir, f"{name}_flops")
-    session = TrainingSession(path, config, sess_options=opts, providers=_providers(args))
+    session, feeds, _, _ = _gradgraph_session(name, out_dir, args, opts)
     steps = 2
     for _ in range(steps):
         session.train_step(feeds, lr=LR)
@@ -239,7 +227,9 @@ def child_gemm(args) -> dict:
             "onnxruntime": ort.__version__, "providers": session.get_providers(), **timing}
 
 
-def child_gradgraph(name: str, out_dir: str, args) -> dict:
+def _gradgraph_session(name: str, out_dir: str, args, sess_options) -> tuple:
+    """gradgraph's TrainingSession on the exported model (AdamW as the peers), its feeds, the
+    number of trained weights and the seconds the session took to build."""
     import numpy as np
     import onnx
 
@@ -253,11 +243,15 @@ def child_gradgraph(name: str, out_dir: str, args) -> dict:
     config = TrainingConfig(loss="loss", optimizer=AdamWConfig(eps=EPS, weight_decay=0.0),
                             weights_to_train=tuple(trained))
     start = time.perf_counter()
-    session = TrainingSession(path, config, sess_options=_session_options(args), providers=_providers(args))
-    setup = time.perf_counter() - start
+    session = TrainingSession(path, config, sess_options=sess_options, providers=_providers(args))
+    return session, feeds, len(trained), time.perf_counter() - start
+
+
+def child_gradgraph(name: str, out_dir: str, args) -> dict:
+    session, feeds, trained, setup = _gradgraph_session(name, out_dir, args, _session_options(args))
     losses = []
     timing = _time(lambda: losses.append(session.train_step(feeds, lr=LR)), args.warmup, args.reps, args)
-    return {"ok": True, "setup_s": setup, "trained": len(trained), "loss_first": losses[0],
+    return {"ok": True, "setup_s": setup, "trained": trained, "loss_first": losses[0],
             "loss_last": losses[-1], **timing}
 
 

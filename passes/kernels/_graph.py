@@ -50,3 +50,24 @@ def take_over(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
     old.name = None
     new.name = name
     new.metadata_props.update(meta)
+
+
+def ignore_index_loss(loss: ir.Node) -> int | None:
+    """The ``ignore_index`` of a SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss whose
+    ignored positions add nothing (``mean`` or ``sum``) and whose ``log_prob`` is unused, else
+    None: the losses whose ignored rows the kernel rewrites may change."""
+    ignore = loss.attributes.get("ignore_index")
+    reduction = loss.attributes.get("reduction")
+    if ignore is None or (reduction is not None and reduction.as_string() not in ("mean", "sum")):
+        return None
+    if len(loss.outputs) > 1 and (loss.outputs[1].uses() or loss.outputs[1].is_graph_output()):
+        return None
+    return ignore.as_int()
+
+
+def holds_label(labels: ir.Value | None, label: int) -> bool:
+    """``labels`` are int32/int64 and their dtype can hold ``label``."""
+    if labels is None or labels.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+        return False
+    info = np.iinfo(labels.dtype.numpy())
+    return bool(info.min <= label <= info.max)

@@ -39,7 +39,15 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.builder import OpBuilder, scope_taken_names
-from passes.kernels._graph import DEFAULT_DOMAINS, const_array, default_opset, only_use, producer
+from passes.kernels._graph import (
+    DEFAULT_DOMAINS,
+    const_array,
+    default_opset,
+    holds_label,
+    ignore_index_loss,
+    only_use,
+    producer,
+)
 
 _LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 _TO_END = 2**62  # a Slice end at least this large means "to the end"
@@ -89,11 +97,8 @@ class WholeScoresLossPass(InPlacePass):
 
     @staticmethod
     def _rewrite(graph: ir.Graph, loss: ir.Node, opset: int) -> bool:
-        ignore = loss.attributes.get("ignore_index")
-        reduction = loss.attributes.get("reduction")
-        if ignore is None or (reduction is not None and reduction.as_string() not in ("mean", "sum")):
-            return False
-        if len(loss.outputs) > 1 and (loss.outputs[1].uses() or loss.outputs[1].is_graph_output()):
+        ignore = ignore_index_loss(loss)
+        if ignore is None:
             return False
         scores_user, scores = loss, loss.inputs[0]
         if loss.op_type == "NegativeLogLikelihoodLoss":
@@ -119,11 +124,9 @@ class WholeScoresLossPass(InPlacePass):
             return False
         pads = _pads(slice_node, x)
         labels = loss.inputs[1]
-        if pads is None or labels is None or labels.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
-            return False
-        info = np.iinfo(labels.dtype.numpy())
-        if not info.min <= ignore.as_int() <= info.max:
-            return False  # no label of this dtype can be the ignore_index
+        if pads is None or not holds_label(labels, ignore):
+            return False  # also: no label of this dtype can be the ignore_index
+        assert labels is not None and labels.dtype is not None
         begin, end = pads
         b = OpBuilder(opset)
         b.prefix = f"{loss.name or 'loss'}/whole_scores"
@@ -136,7 +139,7 @@ class WholeScoresLossPass(InPlacePass):
         lead = b.Slice(b.Shape(b.wrap(x)), b.const(np.array([0])), b.const(np.array([-1])))
         cut = b.const(np.array([p + q for p, q in zip(begin, end)], dtype=np.int64))
         kept = b.Reshape(b.wrap(labels), b.Sub(lead, cut))
-        fill = b.const(np.array(ignore.as_int(), dtype=labels.dtype.numpy()))
+        fill = b.const(np.array(ignore, dtype=labels.dtype.numpy()))
         padded = b.Pad(kept, b.const(np.array(begin + end, dtype=np.int64)), fill)
         flat = b.Reshape(padded, b.const(np.array([-1], dtype=np.int64)))
         flat.value.type = labels.type

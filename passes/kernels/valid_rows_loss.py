@@ -49,7 +49,14 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.builder import OpBuilder, dims_equal, scope_taken_names
-from passes.kernels._graph import DEFAULT_DOMAINS, default_opset, only_use, take_over
+from passes.kernels._graph import (
+    DEFAULT_DOMAINS,
+    default_opset,
+    holds_label,
+    ignore_index_loss,
+    only_use,
+    take_over,
+)
 
 _LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 _UNARY = frozenset({
@@ -152,20 +159,13 @@ class ValidRowsLossPass(InPlacePass):
 
     @staticmethod
     def _rewrite(graph: ir.Graph, loss: ir.Node, opset: int) -> bool:
-        ignore = loss.attributes.get("ignore_index")
-        reduction = loss.attributes.get("reduction")
-        if ignore is None or (reduction is not None and reduction.as_string() not in ("mean", "sum")):
-            return False
-        if len(loss.outputs) > 1 and (loss.outputs[1].uses() or loss.outputs[1].is_graph_output()):
-            return False
+        ignore = ignore_index_loss(loss)
         scores, labels = loss.inputs[0], loss.inputs[1]
-        if (scores is None or labels is None or _last_dim(scores) is None or len(_dims(scores) or []) != 2
-                or len(_dims(labels) or [0, 0]) != 1
-                or labels.dtype not in (ir.DataType.INT64, ir.DataType.INT32)):
+        if (ignore is None or scores is None or labels is None or _last_dim(scores) is None
+                or len(_dims(scores) or []) != 2 or len(_dims(labels) or [0, 0]) != 1
+                or not holds_label(labels, ignore)):
             return False
-        info = np.iinfo(labels.dtype.numpy())
-        if not info.min <= ignore.as_int() <= info.max:
-            return False
+        assert labels.dtype is not None  # holds_label checked it
         if not only_use(scores, graph, loss):
             return False
         region, boundary = _region(graph, scores, loss, opset)
@@ -177,7 +177,7 @@ class ValidRowsLossPass(InPlacePass):
         for key in ("namespace", "pkg.torch.onnx.class_hierarchy"):
             if key in loss.metadata_props:
                 b.marks[key] = loss.metadata_props[key]
-        ignored = b.const(np.array([ignore.as_int()], dtype=labels.dtype.numpy()))
+        ignored = b.const(np.array([ignore], dtype=labels.dtype.numpy()))
         keep = b.Not(b.Equal(b.wrap(labels), ignored))
         kept = b.Reshape(b.NonZero(keep), b.const(np.array([-1], dtype=np.int64)))
         # and row 0 once more, its label ignored: never an empty batch (onnxruntime's inlined
@@ -197,8 +197,6 @@ class ValidRowsLossPass(InPlacePass):
             picked = b.Gather(flat, rows, axis=0)
             picked.value.type, picked.value.shape = value.type, ir.Shape([None, width])
             gathered[id(value)] = picked.value
-        scope_taken_names(graph, b.nodes, b.prefix)
-        graph.insert_before(loss, b.nodes)
 
         copies: list[ir.Node] = []
         for node in region:  # in graph order
@@ -213,12 +211,9 @@ class ValidRowsLossPass(InPlacePass):
                     inputs.append(None if v is None else gathered[id(v)])
                     continue
                 if node.op_type not in _MATMUL and len(_dims(v) or []) > 1:  # [1, .., 1, D] -> [D]
-                    flat_node = ir.Node("", "Reshape", [v, _int64_const(graph, copies, [-1], b.prefix)],
-                                        name=f"{b.prefix}/flat_{len(copies)}")
-                    flat_node.outputs[0].name = f"{b.prefix}/flat_{len(copies)}"
-                    flat_node.outputs[0].type = v.type
-                    copies.append(flat_node)
-                    v = flat_node.outputs[0]
+                    flat = b.Reshape(b.wrap(v), b.const(np.array([-1], dtype=np.int64)))
+                    flat.value.type = v.type
+                    v = flat.value
                 inputs.append(v)
             attributes = [a for a in node.attributes.values()]
             if node.op_type in _LAST_AXIS:
@@ -231,8 +226,9 @@ class ValidRowsLossPass(InPlacePass):
             copy.outputs[0].shape = ir.Shape([None, _last_dim(out)])
             copies.append(copy)
             gathered[id(out)] = copy.outputs[0]
-        scope_taken_names(graph, copies, b.prefix)
-        graph.insert_before(loss, copies)
+        # the builder's nodes (rows, gathers, flattened operands) first: the copies read them
+        scope_taken_names(graph, [*b.nodes, *copies], b.prefix)
+        graph.insert_before(loss, [*b.nodes, *copies])
         loss.replace_input_with(0, gathered[id(scores)])
         loss.replace_input_with(1, kept_labels.value)
         if len(loss.outputs) > 1:
@@ -240,15 +236,6 @@ class ValidRowsLossPass(InPlacePass):
         _shapes_without_values(graph, region, opset)
         graph.remove(list(reversed(region)), safe=True)
         return True
-
-
-def _int64_const(graph: ir.Graph, nodes: list[ir.Node], values: list[int], prefix: str) -> ir.Value:
-    tensor = ir.tensor(np.array(values, dtype=np.int64), name=f"{prefix}/shape_{len(nodes)}")
-    node = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], name=f"{prefix}/shape_{len(nodes)}_node")
-    out = node.outputs[0]
-    out.name, out.type, out.shape, out.const_value = tensor.name, ir.TensorType(ir.DataType.INT64), ir.Shape([len(values)]), tensor
-    nodes.append(node)
-    return out
 
 
 def _shape_reader(user: ir.Node, value: ir.Value) -> bool:
@@ -273,13 +260,11 @@ def _shapes_without_values(graph: ir.Graph, region: list[ir.Node], opset: int) -
             dims = list(value.shape or [])
             start, end = user.attributes.get("start"), user.attributes.get("end")
             name = user.outputs[0].name or f"{user.name}_shape"
+            b = OpBuilder(opset)
+            b.prefix = f"{name}/valid_rows"
             if all(isinstance(d, int) for d in dims):
-                picked = np.array(dims, dtype=np.int64)[slice(start.as_int() if start is not None else None,
-                                                               end.as_int() if end is not None else None)]
-                tensor = ir.tensor(picked, name=f"{name}/static")
-                nodes = [ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], name=f"{name}/static_node")]
-                nodes[0].outputs[0].type = ir.TensorType(ir.DataType.INT64)
-                nodes[0].outputs[0].shape, nodes[0].outputs[0].const_value = ir.Shape(picked.shape), tensor
+                b.const(np.array(dims, dtype=np.int64)[slice(start.as_int() if start is not None else None,
+                                                             end.as_int() if end is not None else None)])
             else:
                 source = value
                 while source.producer() is not None and id(source.producer()) in inside:
@@ -288,18 +273,15 @@ def _shapes_without_values(graph: ir.Graph, region: list[ir.Node], opset: int) -
                     rows_at = _row_inputs(producer, opset)
                     assert rows_at
                     source = producer.inputs[rows_at[0]]  # type: ignore[assignment]
-                b = OpBuilder(opset)
-                b.prefix = f"{name}/valid_rows"
                 lead = (b.Shape(b.wrap(source), end=-1) if opset >= 15 else
                         b.Slice(b.Shape(b.wrap(source)), b.const(np.array([0])), b.const(np.array([-1]))))
                 full = b.Concat(lead, b.const(np.array([dims[-1]], dtype=np.int64)), axis=0)
                 if start is not None or end is not None:
                     full = b.Slice(full, b.const(np.array([start.as_int() if start is not None else 0])),
                                    b.const(np.array([end.as_int() if end is not None else 2**62])))
-                nodes = b.nodes
-                scope_taken_names(graph, nodes, b.prefix)
-            graph.insert_before(user, nodes)
-            take_over(graph, user.outputs[0], nodes[-1].outputs[0])
+            scope_taken_names(graph, b.nodes, b.prefix)
+            graph.insert_before(user, b.nodes)
+            take_over(graph, user.outputs[0], b.nodes[-1].outputs[0])
             graph.remove(user, safe=True)
 
 
