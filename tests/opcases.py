@@ -36,6 +36,8 @@ class Spec:
     dynamic: tuple[str, ...] = ()
     # "grad": compare with central differences; "stop": check a clean stop-gradient.
     kind: str = "grad"
+    # The op's domain ("" is ONNX's; e.g. "com.microsoft" for onnxruntime's contrib ops, opset 1).
+    domain: str = ""
     # A check of its own (for ops central differences cannot see, e.g. random masks).
     custom: Callable[[Spec], None] | None = None
     # Nodes after the op (reading y0..yk) and the graph outputs, for ops that need company
@@ -104,12 +106,12 @@ def forward_model(spec: Spec) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     while names and names[-1] == "":
         names.pop()
     outs = [f"y{i}" for i in range(spec.outputs)]
-    node = helper.make_node(spec.op, names, outs, **spec.attrs)
+    node = helper.make_node(spec.op, names, outs, domain=spec.domain or None, **spec.attrs)
     graph_outs = list(spec.graph_outputs or outs)
     graph = helper.make_graph([node, *spec.extra_nodes], "case", graph_inputs,
                               [onnx.ValueInfoProto(name=o) for o in graph_outs], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", spec.opset)],
-                              ir_version=IR_VERSION)
+    opsets = [helper.make_opsetid("", spec.opset)] + ([helper.make_opsetid(spec.domain, 1)] if spec.domain else [])
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION)
     model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
     for out in model.graph.output:
         if not out.type.HasField("tensor_type"):  # ops without inference (function ops)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 from collections.abc import Callable
 
@@ -201,6 +202,29 @@ def gelu(draw, op):
     attrs = {"approximate": draw(st.sampled_from(["none", "tanh"]))}
     x = uniform(rng, draw(shape_st()), -3, 3, dtype)
     return Spec(op, [("x", x)], ("x",), attrs, opset=opset_for(draw, op, 20, (20, 21)))
+
+
+def _gelu_forward(approximate: str, with_bias: bool):
+    def forward(inputs, attrs):
+        x = inputs["x"] + inputs["bias"] if with_bias else inputs["x"]
+        if approximate == "tanh":
+            return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+        return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / np.sqrt(2.0)))
+    return forward
+
+
+@case("com.microsoft::Gelu", "com.microsoft::FastGelu", "com.microsoft::BiasGelu")
+def contrib_gelu(draw, op):
+    """onnxruntime's contrib GELUs (float32 kernels only): FastGelu with or without its bias,
+    BiasGelu's bias, both over the last axis."""
+    rng = rng_of(draw)
+    shape = draw(shape_st(min_dims=1))
+    x = uniform(rng, shape, -3, 3, np.float32)
+    with_bias = op == "BiasGelu" or (op == "FastGelu" and draw(st.booleans()))
+    inputs = [("x", x)] + ([("bias", uniform(rng, shape[-1:], -1, 1, np.float32))] if with_bias else [])
+    forward = _gelu_forward("tanh" if op == "FastGelu" else "none", with_bias)
+    return Spec(op, inputs, _subset(draw, [name for name, _ in inputs]), domain="com.microsoft",
+                custom=_numpy_oracle(forward))
 
 
 @case("Cast")
@@ -2362,8 +2386,10 @@ def _rule_id(rule) -> str:
 RULES = sorted(registered_rules(), key=_rule_id)
 
 
-def _generator(op_type: str) -> Generator | None:
-    return CASES.get(op_type) or OTHER_CASES.get(op_type)
+def _generator(rule) -> Generator | None:
+    """The case generator of ``rule``: keyed ``domain::op_type`` outside the ONNX domain."""
+    key = f"{rule.domain}::{rule.op_type}" if rule.domain not in ("", "ai.onnx") else rule.op_type
+    return CASES.get(key) or OTHER_CASES.get(key)
 
 
 @pytest.mark.parametrize("rule", RULES, ids=_rule_id)
@@ -2373,10 +2399,11 @@ def _generator(op_type: str) -> Generator | None:
                                  HealthCheck.filter_too_much])
 @given(data=st.data())
 def test_rule(rule, data):
-    generator = _generator(rule.op_type)
+    generator = _generator(rule)
     if generator is None:
         pytest.fail(f"no case for {_rule_id(rule)}: add a generator to CASES or OTHER_CASES")
     spec = data.draw(generator(rule.op_type), label="spec")
+    assert spec.domain == (rule.domain if rule.domain != "ai.onnx" else "")
     if data.draw(st.booleans(), label="symbolic dims"):
         spec = dataclasses.replace(spec, symbolic=True)
     assert rule.op_type in spec.op_types

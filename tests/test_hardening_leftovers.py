@@ -175,12 +175,12 @@ def test_strict_load_of_a_matching_checkpoint_does_not_warn(tmp_path: Path, recw
 # ---- 2. --save-stages is all or nothing ------------------------------------------------------
 # An op with no gradient rule that onnxruntime runs: a contrib op (not a model-local function:
 # the forward stage inlines those, and every default-domain op has a rule or is a stop).
-NO_RULE_DOMAIN, NO_RULE_OP = "com.microsoft", "FastGelu"
+NO_RULE_DOMAIN, NO_RULE_OP = "com.microsoft", "QuickGelu"
 
 
 @pytest.fixture(scope="module")
 def failing_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Its forward stage succeeds, its gradient stage fails (FastGelu has no gradient rule)."""
+    """Its forward stage succeeds, its gradient stage fails (QuickGelu has no gradient rule)."""
     assert lookup(NO_RULE_DOMAIN, NO_RULE_OP, 1) is None, f"{NO_RULE_OP} has a rule now: pick another op"
     path = tmp_path_factory.mktemp("failing") / "no_rule.onnx"
     onnx.save(onnx.parser.parse_model(f"""<ir_version: 9, opset_import: ["" : 18, "{NO_RULE_DOMAIN}" : 1]>

@@ -59,6 +59,29 @@ def test_split_softmax_cross_entropy_same_values(reduction, ignore_index, weight
         np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("axis", [None, 1, -1, 0])
+@pytest.mark.parametrize("before", [False, True])
+def test_split_softmax_of_the_scores_from_log_prob(axis, before) -> None:
+    """A row softmax of the scores read after the loss becomes Exp(log_prob); one before the
+    loss (the LogSoftmax does not exist there yet) or over the other axis stays."""
+    model = _sce_model("mean", None, False, False)
+    softmax = helper.make_node("Softmax", ["x"], ["probs"], **({} if axis is None else {"axis": axis}))
+    nodes = list(model.graph.node)
+    nodes.insert(0 if before else len(nodes), softmax)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.output.append(helper.make_tensor_value_info("probs", TensorProto.FLOAT, None))
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((6, 5)).astype(np.float32) * 3, "y": np.array([0, 2, 4, 2, 1, 3], np.int64)}
+    ir_model = ir.from_proto(model)
+    assert SplitSoftmaxCrossEntropyPass()(ir_model).modified
+    rewritten = ir.to_proto(ir_model)
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert ("Exp" in ops) == (not before and axis != 0) and ("Softmax" in ops) == (before or axis == 0)
+    for ours, ref in zip(_run(rewritten, feeds), _run(model, feeds), strict=True):
+        np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-7)
+
+
 def test_higher_rank_scores_are_left_alone() -> None:
     model = ir.from_proto(_sce_model("mean", None, False, False, rank=3))
     assert not SplitSoftmaxCrossEntropyPass()(model).modified
@@ -274,6 +297,10 @@ def test_kernel_passes_keep_training_gradients() -> None:
         rewrite(grads)
     ops = [n.op_type for n in grads.graph]
     assert "SoftmaxCrossEntropyLoss" not in ops
+    # the gradient's softmax of the scores: Exp of the forward's log-probabilities
+    assert "Softmax" not in ops
+    (log_softmax,) = [n for n in grads.graph if n.op_type == "LogSoftmax"]
+    assert any(n.op_type == "Exp" and n.inputs[0] is log_softmax.outputs[0] for n in grads.graph)
     scatter = next(n for n in grads.graph if n.op_type == "ScatterND")
     assert scatter.inputs[0].producer().op_type != "ConstantOfShape"  # the tied weight's two uses
     assert not any(n.op_type == "ReduceSum" and n.inputs[0].shape is not None and len(n.inputs[0].shape) == 3

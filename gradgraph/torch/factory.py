@@ -36,7 +36,7 @@ from gradgraph.validate import check_names
 from passes.forward.distinct_outputs import DistinctOutputsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
-from passes.kernels import ValidRowsLossPass, WholeScoresLossPass
+from passes.kernels import GeluFusionPass, ValidRowsLossPass, WholeScoresLossPass
 from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 
 logger = logging.getLogger("gradgraph.torch")
@@ -139,6 +139,7 @@ class TorchOrtFactory:
         model.graph.outputs.extend(by_name[n] for n in self.output_names)
         n_user = len(self.output_names)
         PrepareForGradientPass(strict_parameters=False)(model)
+        GeluFusionPass()(model)  # an exported GELU formula as one Gelu node
         WholeScoresLossPass()(model)  # a loss over sliced scores: no copy of them, no Pad
         ValidRowsLossPass()(model)  # the rows the loss ignores are not computed
         cuda = "CUDAExecutionProvider" in provider_names(self.providers)

@@ -76,6 +76,7 @@ from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
 from passes.kernels import (
     DecomposeTrainingBatchNormPass,
+    GeluFusionPass,
     ValidRowsLossPass,
     WholeScoresLossPass,
     kernel_passes,
@@ -674,6 +675,7 @@ class _Engine:
             model = _optimized(model)
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
         PrepareForGradientPass(strict_parameters=False)(model)
+        GeluFusionPass()(model)  # an exported GELU formula as one Gelu node
         WholeScoresLossPass()(model)  # a loss over sliced logits: no copy of them, no Pad
         ValidRowsLossPass()(model)  # the rows the loss ignores are not computed
         for rewrite in device_rewrites(device):  # what the device's kernels lack

@@ -4,7 +4,8 @@
 model savable; see :mod:`gradgraph.pipeline`):
 
 1. ``forward``: forward clean-up (inline, recover torch parameters, classify weights, fold,
-   expose dropout masks and running statistics, reduce a non-scalar loss, a loss over sliced
+   expose dropout masks and running statistics, reduce a non-scalar loss, an exported GELU
+   formula as one Gelu node (:class:`passes.kernels.GeluFusionPass`), a loss over sliced
    scores taken over all of them: :class:`passes.kernels.WholeScoresLossPass`; the rows a
    cross-entropy ignores not computed: :class:`passes.kernels.ValidRowsLossPass`);
 2. ``graph_transforms``: clean-up, cast propagation, mixed precision (those enabled);
@@ -63,6 +64,7 @@ from passes.forward.prepare import PrepareForGradientPass
 from passes.forward.reduce_loss import ReduceLossPass
 from passes.kernels import (
     DecomposeTrainingBatchNormPass,
+    GeluFusionPass,
     ValidRowsLossPass,
     WholeScoresLossPass,
     kernel_passes,
@@ -217,7 +219,7 @@ def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
     names, paths = config.names, config.debug.graph_save_paths
     forward: list[PassBase] = [PrepareForGradientPass(strict_parameters=config.weights_to_train is None),
                                ReduceLossPass(config.loss, config.loss_reduction),
-                               WholeScoresLossPass(), ValidRowsLossPass(),
+                               GeluFusionPass(), WholeScoresLossPass(), ValidRowsLossPass(),
                                ExposeRunningStatsPass(names.out_suffix)]
     gradient: list[PassBase] = []
     if provider_names(providers)[:1] == ["CUDAExecutionProvider"]:

@@ -5,13 +5,15 @@ algebraic identity) where onnxruntime's CPU kernel for the original is measurabl
 measurement is in the pass's docstring. Most run on finished graphs (after the gradient), so
 gradient rules see the original ops; WholeScoresLossPass runs on the forward graph, because what
 it saves is mostly the gradient of what it removes; ValidRowsLossPass too, after it (the rows
-a cross-entropy ignores are not computed). DecomposeTrainingBatchNormPass is for a
+a cross-entropy ignores are not computed), and for the same reason GeluFusionPass (a written-out
+GELU as one node) before them. DecomposeTrainingBatchNormPass is for a
 runtime without the kernel (onnxruntime's CUDA provider), before the gradient.
 """
 
 from onnx_ir.passes import PassBase
 
 from passes.kernels.batch_norm_training import DecomposeTrainingBatchNormPass
+from passes.kernels.gelu import GeluFusionPass
 from passes.kernels.scatter_accumulate import ScatterAddIntoSumPass
 from passes.kernels.sliced_scores_loss import WholeScoresLossPass
 from passes.kernels.softmax_cross_entropy import SplitSoftmaxCrossEntropyPass
@@ -26,5 +28,5 @@ def kernel_passes(gradient: bool = True) -> list[PassBase]:
     return [SplitSoftmaxCrossEntropyPass(), ScatterAddIntoSumPass()]
 
 
-__all__ = ["DecomposeTrainingBatchNormPass", "ScatterAddIntoSumPass", "SplitSoftmaxCrossEntropyPass", "ValidRowsLossPass", "WholeScoresLossPass",
+__all__ = ["DecomposeTrainingBatchNormPass", "GeluFusionPass", "ScatterAddIntoSumPass", "SplitSoftmaxCrossEntropyPass", "ValidRowsLossPass", "WholeScoresLossPass",
            "kernel_passes"]

@@ -6,6 +6,7 @@ import numpy as np
 import onnx_ir as ir
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
+MS_DOMAIN = "com.microsoft"  # onnxruntime's contrib ops (in stock onnxruntime, CPU and CUDA)
 
 
 def const_array(value: ir.Value | None) -> np.ndarray | None:

@@ -13,6 +13,12 @@ optional ``log_prob`` output is the LogSoftmax's).
 
 Only 2-D scores of known rank are rewritten (for [N, C, d1, ...] the softmax axis is not the
 innermost one either way).
+
+The loss's gradient (passes/autodiff/rules/nn.py) takes ``Softmax(scores)`` again; a Softmax of
+the same scores over the same axis after the loss becomes ``Exp(log_prob)``: one pass instead of
+the softmax's three, the same values up to rounding (GPT-2-like benchmark model, [1016, 8192]
+scores, 2 threads: Softmax 4.9 ms, Exp 3.5 ms, tools/profile_training.py). The scores are then
+no longer read after the LogSoftmax (the log-probabilities are kept instead, the same size).
 """
 
 from __future__ import annotations
@@ -64,5 +70,26 @@ class SplitSoftmaxCrossEntropyPass(InPlacePass):
         take_over(graph, loss, new_loss)
         if log_prob is not None:
             take_over(graph, log_prob, lp)
+        after = False
+        for other in list(graph):
+            if other is node:
+                after = True
+            elif after and _row_softmax_of(other, scores):
+                exp = ir.Node("", "Exp", [lp], name=f"{other.name}/from_log_prob" if other.name else None,
+                              metadata_props=dict(other.metadata_props))
+                exp.outputs[0].type, exp.outputs[0].shape = other.outputs[0].type, other.outputs[0].shape
+                graph.insert_before(other, exp)
+                take_over(graph, other.outputs[0], exp.outputs[0])
+                graph.remove(other, safe=True)
         graph.remove(node, safe=True)
+
+
+def _row_softmax_of(node: ir.Node, scores: ir.Value) -> bool:
+    """``node`` is a Softmax of the 2-D ``scores`` over their last axis (any opset: for 2-D
+    inputs the pre-13 "coerce to 2-D at axis" semantics and the default axes agree)."""
+    if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx") or not node.inputs \
+            or node.inputs[0] is not scores:
+        return False
+    axis = node.attributes.get("axis")
+    return axis is None or axis.as_int() in (1, -1)
 

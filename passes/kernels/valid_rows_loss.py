@@ -51,6 +51,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 from passes.autodiff.builder import OpBuilder, dims_equal, scope_taken_names
 from passes.kernels._graph import (
     DEFAULT_DOMAINS,
+    MS_DOMAIN,
     default_opset,
     holds_label,
     ignore_index_loss,
@@ -64,6 +65,8 @@ _UNARY = frozenset({
     "LeakyRelu", "Log", "Mish", "Neg", "Reciprocal", "Relu", "Selu", "Sigmoid", "Softplus",
     "Softsign", "Sqrt", "Tanh", "ThresholdedRelu",
 })
+# onnxruntime's contrib GELUs (passes/kernels/gelu.py writes them below opset 20).
+_MS_UNARY = frozenset({"Gelu", "FastGelu", "BiasGelu", "QuickGelu"})
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu", "Clip"})
 _LAST_AXIS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization"})
 _MATMUL = frozenset({"MatMul", "Gemm"})
@@ -97,12 +100,19 @@ def _broadcast_along_last(value: ir.Value, out_rank: int) -> bool:
 
 def _row_inputs(node: ir.Node, opset: int) -> list[int] | None:
     """Which inputs of ``node`` are row-shaped, when ``node`` works row by row; else None."""
-    if node.domain not in DEFAULT_DOMAINS or not node.outputs:
+    if (node.domain not in DEFAULT_DOMAINS and not (node.domain == MS_DOMAIN and node.op_type in _MS_UNARY)) \
+            or not node.outputs:
         return None
     out = node.outputs[0]
     op = node.op_type
     if _last_dim(out) is None or any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
         return None
+    if node.domain == MS_DOMAIN:  # a contrib GELU: x, and a bias over the last axis
+        x = node.inputs[0] if node.inputs else None
+        if x is None or len(_dims(x) or []) != len(_dims(out) or [0]) or _last_dim(x) != _last_dim(out) \
+                or any(v is not None and len(_dims(v) or [0, 0]) != 1 for v in node.inputs[1:]):
+            return None
+        return [0]
     if op in _ELEMENTWISE:
         rows: list[int] = []
         rank = len(_dims(out) or [])

@@ -171,20 +171,50 @@ def _prelu(b, n, g):
     return [dx, dslope]
 
 
+def gelu_derivative(b, x, approximate: str):
+    """d Gelu(x) / dx from ``x`` alone, in few passes over it (a fused Gelu keeps only ``x``).
+
+    tanh: with ``t = tanh(k (x + a x^3))``, ``0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 a x^2)``
+    is written ``(1 + t) (0.5 + x (1 - t) (0.5 k + 1.5 k a x^2))`` (``1 - t^2 = (1 - t)(1 + t)``):
+    14 nodes. erf: ``Phi(x) + x phi(x)`` with ``u = x / sqrt 2`` shared by the Erf and the
+    Gaussian ``exp(-u^2)``: 10 nodes.
+    """
+    if approximate == "tanh":
+        k, a = math.sqrt(2.0 / math.pi), 0.044715
+        x2 = x * x
+        t = b.Tanh(x * (x2 * (k * a) + k))
+        slope = x2 * (1.5 * k * a) + 0.5 * k
+        return (t + 1.0) * (x * (1.0 - t) * slope + 0.5)
+    u = x * (1.0 / math.sqrt(2.0))
+    cdf = b.Erf(u) * 0.5 + 0.5
+    return cdf + x * b.Exp(b.Neg(u * u)) * (1.0 / math.sqrt(2.0 * math.pi))
+
+
 @grad_rule("Gelu", since=20)
 def _gelu(b, n, g):
-    x = n.inputs[0]
-    if n.attr("approximate", "none") == "tanh":
-        k = math.sqrt(2.0 / math.pi)
-        inner = k * (x + 0.044715 * x * x * x)
-        t = b.Tanh(inner)
-        d_inner = k * (1.0 + 3.0 * 0.044715 * x * x)
-        d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
-    else:
-        cdf = 0.5 * (1.0 + b.Erf(x * (1.0 / math.sqrt(2.0))))
-        pdf = (1.0 / math.sqrt(2.0 * math.pi)) * b.Exp(-0.5 * x * x)
-        d = cdf + x * pdf
-    return [g[0] * d]
+    return [g[0] * gelu_derivative(b, n.inputs[0], n.attr("approximate", "none"))]
+
+
+# onnxruntime's contrib GELUs (stock onnxruntime, CPU and CUDA): what GeluFusionPass writes below
+# opset 20, and what onnxruntime's transformer optimizer writes into exported models.
+@grad_rule("Gelu", domain="com.microsoft")
+def _ms_gelu(b, n, g):
+    return [g[0] * gelu_derivative(b, n.inputs[0], "none")]
+
+
+@grad_rule("FastGelu", domain="com.microsoft", broadcast=True)
+def _ms_fast_gelu(b, n, g):
+    """FastGelu(X, bias?) = tanh-approximated Gelu(X + bias)."""
+    x = n.inputs[0] + n.inputs[1] if n.has_input(1) else n.inputs[0]
+    dx = g[0] * gelu_derivative(b, x, "tanh")
+    return [dx, dx] if n.has_input(1) else [dx]
+
+
+@grad_rule("BiasGelu", domain="com.microsoft", broadcast=True)
+def _ms_bias_gelu(b, n, g):
+    """BiasGelu(A, B) = Gelu(A + B), erf form."""
+    dx = g[0] * gelu_derivative(b, n.inputs[0] + n.inputs[1], "none")
+    return [dx, dx]
 
 
 # Node metadata that says how Clip treats x exactly at a bound (set from an exporter's record of

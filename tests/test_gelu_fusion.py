@@ -1,0 +1,187 @@
+"""passes.kernels.GeluFusionPass: an exported GELU formula becomes one Gelu node; the values and
+the gradients stay torch's (float64 autograd oracle, rtol 1e-4 / atol 1e-5 for the float32
+graphs)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from test_valid_rows_loss import (
+    WEIGHTS,
+    _decoder_input_rank,
+    _feeds,
+    _head_model,
+    _params,
+    _torch_head,
+)
+
+from gradgraph import build_gradient_graph
+from passes.kernels import GeluFusionPass, ValidRowsLossPass
+
+K, A = math.sqrt(2.0 / math.pi), 0.044715
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, approximate: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3)
+        self.act = torch.nn.GELU(approximate=approximate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x))).square().mean()
+
+
+def _legacy_export(module: torch.nn.Module, x: torch.Tensor) -> onnx.ModelProto:
+    f = io.BytesIO()
+    torch.onnx.export(module, (x,), f, dynamo=False, opset_version=17, input_names=["x"], output_names=["loss"],
+                      do_constant_folding=False)
+    return onnx.shape_inference.infer_shapes(onnx.load_from_string(f.getvalue()))
+
+
+def _fused(model: onnx.ModelProto, **kw) -> tuple[onnx.ModelProto, bool]:
+    m = ir.from_proto(model)
+    modified = GeluFusionPass(**kw)(m).modified
+    return ir.to_proto(m), modified
+
+
+def _run(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(outputs, feeds)
+
+
+def _ops(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    return [(n.domain, n.op_type) for n in model.graph.node if n.op_type != "Constant"]
+
+
+@pytest.mark.parametrize("approximate,fused_op", [("none", "Gelu"), ("tanh", "FastGelu")])
+def test_torch_export_below_opset_20(approximate, fused_op) -> None:
+    """torch's legacy export at opset 17: onnxruntime's contrib op, torch's gradients."""
+    torch.manual_seed(0)
+    module = _Mlp(approximate)
+    x = torch.randn(5, 6)
+    model = _legacy_export(module, x)
+    fused, modified = _fused(model)
+    assert modified
+    assert ("com.microsoft", fused_op) in _ops(fused)
+    assert not any(op in ("Erf", "Tanh", "Pow") for _, op in _ops(fused))
+    feeds = {"x": x.numpy()}
+    np.testing.assert_allclose(_run(fused, feeds)[0], _run(model, feeds)[0], rtol=1e-6)
+    weights = [i.name for i in model.graph.initializer if i.data_type == TensorProto.FLOAT and len(i.dims) > 0]
+    grads = build_gradient_graph(fused, "loss", ["x", *weights])
+    ours = _run(grads, feeds, ["x_grad", *[f"{w}_grad" for w in weights]])
+    ref_module = _Mlp(approximate).double()
+    ref_module.load_state_dict(module.state_dict())
+    xd = x.double().requires_grad_(True)
+    ref_module(xd).backward()
+    ref = {"x": xd.grad, **{n: p.grad for n, p in ref_module.named_parameters()}}
+    for name, got in zip(["x", *weights], ours, strict=True):
+        np.testing.assert_allclose(got, ref[name].numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def _chain(variant: str, opset: int, dtype: int = TensorProto.FLOAT,
+           extra_output: str | None = None, c: float = A) -> onnx.ModelProto:
+    """y = ReduceSum(GELU(x) * w): the GELU written out as ``variant``."""
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+
+    def const(name: str, value: float) -> onnx.TensorProto:
+        return numpy_helper.from_array(np.array(value, np_dtype), name)
+
+    inits = [const("half", 0.5), const("one", 1.0), const("k", K), const("a", c), const("three", 3.0),
+             const("sqrt2", math.sqrt(2.0)), const("rsqrt2", 1.0 / math.sqrt(2.0)),
+             numpy_helper.from_array(np.linspace(-1, 1, 12).astype(np_dtype).reshape(3, 4), "w")]
+    mk = helper.make_node
+    if variant == "erf_div":  # (x * (1 + erf(x / sqrt 2))) * 0.5, torch's legacy export
+        nodes = [mk("Div", ["x", "sqrt2"], ["u"]), mk("Erf", ["u"], ["e"]), mk("Add", ["e", "one"], ["p"]),
+                 mk("Mul", ["x", "p"], ["xp"]), mk("Mul", ["xp", "half"], ["g"])]
+    elif variant == "erf_mul":  # (0.5 * x) * (1 + erf(x * (1 / sqrt 2)))
+        nodes = [mk("Mul", ["rsqrt2", "x"], ["u"]), mk("Erf", ["u"], ["e"]), mk("Add", ["one", "e"], ["p"]),
+                 mk("Mul", ["half", "x"], ["hx"]), mk("Mul", ["hx", "p"], ["g"])]
+    elif variant == "tanh_pow":  # 0.5 * x * (1 + tanh(k * (x + a * x ** 3))), GPT-2's export
+        nodes = [mk("Mul", ["x", "half"], ["hx"]), mk("Pow", ["x", "three"], ["x3"]),
+                 mk("Mul", ["x3", "a"], ["ax3"]), mk("Add", ["x", "ax3"], ["s"]), mk("Mul", ["s", "k"], ["ks"]),
+                 mk("Tanh", ["ks"], ["t"]), mk("Add", ["t", "one"], ["p"]), mk("Mul", ["hx", "p"], ["g"])]
+    else:  # tanh_cube: x * x * x, the factors multiplied as ((1 + t) * x) * 0.5
+        nodes = [mk("Mul", ["x", "x"], ["x2"]), mk("Mul", ["x", "x2"], ["x3"]),
+                 mk("Mul", ["a", "x3"], ["ax3"]), mk("Add", ["ax3", "x"], ["s"]), mk("Mul", ["k", "s"], ["ks"]),
+                 mk("Tanh", ["ks"], ["t"]), mk("Add", ["one", "t"], ["p"]), mk("Mul", ["p", "x"], ["px"]),
+                 mk("Mul", ["px", "half"], ["g"])]
+    nodes += [mk("Mul", ["g", "w"], ["gw"]), mk("ReduceSum", ["gw"], ["loss"], keepdims=0)]
+    outputs = [helper.make_tensor_value_info("loss", dtype, [])]
+    if extra_output is not None:
+        outputs.append(helper.make_tensor_value_info(extra_output, dtype, None))
+    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x", dtype, [3, 4])], outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 9
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _torch_gelu_grad(x: np.ndarray, variant: str) -> np.ndarray:
+    xd = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    w = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4)
+    approximate = "tanh" if variant.startswith("tanh") else "none"
+    (torch.nn.functional.gelu(xd, approximate=approximate) * w).sum().backward()
+    return xd.grad.numpy()
+
+
+@pytest.mark.parametrize("variant", ["erf_div", "erf_mul", "tanh_pow", "tanh_cube"])
+@pytest.mark.parametrize("opset", [17, 20])
+def test_written_forms(variant, opset) -> None:
+    """Each written form becomes the standard Gelu at opset 20, the contrib op below."""
+    model = _chain(variant, opset)
+    fused, modified = _fused(model)
+    assert modified
+    approximate = "tanh" if variant.startswith("tanh") else "none"
+    expected = ("", "Gelu") if opset >= 20 else ("com.microsoft", "FastGelu" if approximate == "tanh" else "Gelu")
+    assert _ops(fused) == [expected, ("", "Mul"), ("", "ReduceSum")]
+    if opset >= 20:
+        (gelu,) = [n for n in fused.graph.node if n.op_type == "Gelu"]
+        assert helper.get_attribute_value(gelu.attribute[0]) == approximate.encode()
+    x = np.random.default_rng(0).uniform(-3, 3, (3, 4)).astype(np.float32)
+    np.testing.assert_allclose(_run(fused, {"x": x})[0], _run(model, {"x": x})[0], rtol=1e-5)
+    (dx,) = _run(build_gradient_graph(fused, "loss", ["x"]), {"x": x}, ["x_grad"])
+    np.testing.assert_allclose(dx, _torch_gelu_grad(x, variant), rtol=1e-4, atol=1e-5)
+
+
+def test_left_alone() -> None:
+    # an intermediate read outside the pattern (a graph output)
+    assert not _fused(_chain("tanh_pow", 20, extra_output="t"))[1]
+    assert not _fused(_chain("erf_div", 17, extra_output="e"))[1]
+    # another constant than 0.044715: not the GELU
+    assert not _fused(_chain("tanh_pow", 20, c=0.05))[1]
+    # float64 below opset 20: onnxruntime's contrib kernels are float32 only
+    assert not _fused(_chain("erf_div", 17, dtype=TensorProto.DOUBLE))[1]
+    assert _fused(_chain("erf_div", 20, dtype=TensorProto.DOUBLE))[1]
+    # contrib=False: no com.microsoft op
+    assert not _fused(_chain("tanh_cube", 17), contrib=False)[1]
+    assert _fused(_chain("tanh_cube", 20), contrib=False)[1]
+
+
+def test_rows_a_loss_ignores_skip_the_fused_gelu_too() -> None:
+    """After the fusion, ValidRowsLossPass still computes the masked-LM head (now holding
+    com.microsoft Gelu) on the labelled rows only; loss and gradients stay torch's."""
+    rng = np.random.default_rng(3)
+    params = _params(rng)
+    model = _head_model("sce", "mean", TensorProto.INT64, False, True, params)
+    feeds = _feeds(rng, TensorProto.INT64, ignored=0.6)
+    m = ir.from_proto(model)
+    assert GeluFusionPass()(m).modified and ValidRowsLossPass()(m).modified
+    rewritten = ir.to_proto(m)
+    (gelu,) = [n for n in rewritten.graph.node if n.op_type == "Gelu"]
+    assert gelu.domain == "com.microsoft"
+    assert _decoder_input_rank(rewritten) == 2
+    grads = build_gradient_graph(rewritten, "loss", ["h", *WEIGHTS])
+    names = ["loss", "h", *WEIGHTS]
+    session = ort.InferenceSession(grads.SerializeToString(), providers=["CPUExecutionProvider"])
+    ours = dict(zip(names, session.run(["loss", "h_grad", *[f"{w}_grad" for w in WEIGHTS]], feeds), strict=True))
+    ref_loss, ref = _torch_head(feeds, params, "mean", False)
+    np.testing.assert_allclose(ours["loss"], ref_loss, rtol=1e-5)
+    for name, expected in ref.items():
+        np.testing.assert_allclose(ours[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
