@@ -1,6 +1,6 @@
 """Where ORTModule's training step goes, against PyTorch eager in the same process.
 
-    python tools/profile_ortmodule.py [--models bert,gpt2] [--device cpu|cuda] [--steps 20]
+    python tools/profile_ortmodule.py [--models bert,gpt2] [--device cpu|cuda] [--steps 20] [--top-nodes N]
 
 For each model of the peer's benchmark set (../shared/peer/models_def.py; set
 GRADGRAPH_PEER_DIR elsewhere): the median forward / backward / optimizer milliseconds of
@@ -53,7 +53,7 @@ def _phases(model: Any, opt: Any, batch: tuple, steps: int, warmup: int, sync: A
     return [statistics.median(t[k] for t in times) * 1e3 for k in range(3)]
 
 
-def _session_report(index: int, path: str, model: Any, device_type: str) -> None:
+def _session_report(index: int, path: str, model: Any, device_type: str, top_nodes: int = 0) -> None:
     with open(path) as f:
         events = json.load(f)
     nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
@@ -73,6 +73,13 @@ def _session_report(index: int, path: str, model: Any, device_type: str) -> None
     top = sorted(per_op.items(), key=lambda kv: -kv[1][1])[:12]
     print("    time per run by provider:op (count): " + "; ".join(
         f"{p}:{o} ({int(c) // n}) {t / n / 1e3:.2f} ms" for (p, o), (c, t) in top))
+    if top_nodes:
+        per_node: dict[tuple[str, str], float] = collections.defaultdict(float)
+        for e in nodes:
+            per_node[(e["args"].get("op_name", "?"), e["name"][: -len("_kernel_time")])] += e["dur"]
+        print(f"    the {top_nodes} slowest nodes, ms per run:")
+        for (op, name), t in sorted(per_node.items(), key=lambda kv: -kv[1])[:top_nodes]:
+            print(f"      {t / n / 1e3:7.2f}  {op:<14} {name}")
     on_cpu = sorted({o for (p, o) in per_op if p == "CPU"})
     if on_cpu and device_type != "cpu":
         print(f"    ops on the CPU provider: {on_cpu}")
@@ -85,6 +92,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--top-nodes", type=int, default=0, help="also list each session's N slowest nodes")
     args = parser.parse_args()
     import torch
 
@@ -146,7 +154,7 @@ def main() -> None:
             print(f"  GPU time of all kernels per ORTModule step (torch's profiler): {gpu_ms:.2f} ms")
             print(averages.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=60))
         for index, (session, model) in enumerate(sessions):
-            _session_report(index, session.end_profiling(), model, device.type)
+            _session_report(index, session.end_profiling(), model, device.type, args.top_nodes)
 
 
 if __name__ == "__main__":
