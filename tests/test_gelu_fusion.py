@@ -185,3 +185,105 @@ def test_rows_a_loss_ignores_skip_the_fused_gelu_too() -> None:
     np.testing.assert_allclose(ours["loss"], ref_loss, rtol=1e-5)
     for name, expected in ref.items():
         np.testing.assert_allclose(ours[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def _with_half(model: onnx.ModelProto, kind: str | None = None, as_input: bool = False) -> onnx.ModelProto:
+    """``model`` with its 0.5 constant marked ``kind`` (weight classification) or also fed."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    if kind is not None:
+        (half,) = [i for i in model.graph.initializer if i.name == "half"]
+        info = helper.make_tensor_value_info("half", half.data_type, [])
+        info.metadata_props.add(key="gradgraph.weight_kind", value=kind)
+        model.graph.value_info.append(info)
+    if as_input:
+        model.graph.input.append(helper.make_tensor_value_info("half", TensorProto.FLOAT, []))
+    return model
+
+
+def test_trained_scalars_are_not_constants(tmp_path) -> None:
+    """A scalar weight holding 0.5 stays a weight: named in ``keep``, marked a parameter or a
+    buffer, or a graph input (fed at run time)."""
+    model = _chain("erf_div", 17)
+    assert _fused(model)[1]
+    assert not _fused(model, keep=["half"])[1]
+    assert not _fused(_with_half(model, kind="parameter"))[1]
+    assert not _fused(_with_half(model, kind="buffer"))[1]
+    assert _fused(_with_half(model, kind="constant"))[1]
+    assert not _fused(_with_half(model, as_input=True))[1]
+    # the training build keeps the weights it is told to train (the build failed with a KeyError
+    # on the fused-away weight)
+    import gradgraph
+    from gradgraph.training.build import TrainingConfig
+    from passes.optimizer import SGDConfig
+
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    config = TrainingConfig(loss="loss", optimizer=SGDConfig(), weights_to_train=("half", "w"))
+    session = gradgraph.TrainingSession(str(path), config, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(2).uniform(-2, 2, (3, 4)).astype(np.float32)
+    session.train_step({"x": x}, lr=1.0)
+    xd = torch.tensor(x, dtype=torch.float64)
+    w = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4)
+    expected = 0.5 - float((xd * (1 + torch.erf(xd / math.sqrt(2.0))) * w).sum())  # 0.5 - lr * dloss/dhalf
+    np.testing.assert_allclose(session.get_state()["half"], expected, rtol=1e-5)
+
+
+def test_constants_that_broadcast_or_branches_are_left_alone() -> None:
+    # a [1, 1] 0.5 with a 1-D x: the original's result is [1, n], Gelu(x)'s would be [n]
+    model = _chain("erf_div", 20)
+    (half,) = [i for i in model.graph.initializer if i.name == "half"]
+    half.CopyFrom(numpy_helper.from_array(np.full((1, 1, 1), 0.5, np.float32), "half"))
+    assert not _fused(onnx.shape_inference.infer_shapes(model))[1]  # x is [3, 4]: rank 2 < 3
+    half.CopyFrom(numpy_helper.from_array(np.full((1, 1), 0.5, np.float32), "half"))
+    fused, modified = _fused(onnx.shape_inference.infer_shapes(model))
+    assert modified  # a [1, 1] constant does not change a [3, 4] result
+    x = np.random.default_rng(0).uniform(-3, 3, (3, 4)).astype(np.float32)
+    np.testing.assert_allclose(_run(fused, {"x": x})[0], _run(model, {"x": x})[0], rtol=1e-5)
+    # the product continues inside an If branch: left alone (it crashed)
+    branch = helper.make_graph([helper.make_node("Mul", ["x", "p"], ["xp"]), helper.make_node("Mul", ["xp", "half"], ["b"])],
+                               "then", [], [helper.make_tensor_value_info("b", TensorProto.FLOAT, [3, 4])])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["c"])], "else", [],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [3, 4])])
+    nodes = [helper.make_node("Div", ["x", "sqrt2"], ["u"]), helper.make_node("Erf", ["u"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["p"]),
+             helper.make_node("If", ["flag"], ["g"], then_branch=branch, else_branch=other),
+             helper.make_node("ReduceSum", ["g"], ["loss"], keepdims=0)]
+    inits = [numpy_helper.from_array(np.array(v, np.float32), n)
+             for n, v in (("half", 0.5), ("one", 1.0), ("sqrt2", math.sqrt(2.0)))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4]),
+                                           helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    assert not _fused(onnx.shape_inference.infer_shapes(model))[1]
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_half_precision_at_opset_20(dtype) -> None:
+    """Constants stored in float16 / bfloat16 are as near their exact values as those types allow."""
+    fused, modified = _fused(_chain("tanh_pow", 20, dtype=dtype))
+    assert modified and _ops(fused)[0] == ("", "Gelu")
+
+
+def test_mixed_precision_keeps_contrib_gelus_in_the_low_type() -> None:
+    from passes.precision.policy import Precision, precision_of
+
+    for op in ("Gelu", "FastGelu", "BiasGelu"):
+        assert precision_of(op, "com.microsoft") == precision_of("Gelu", "") == Precision.PASS_THROUGH
+
+
+def test_torch_ort_factory_trains_a_scalar_of_the_formula() -> None:
+    """TorchOrtFactory with the formula's 0.5 as a weight to train: its gradient is torch's (the
+    fusion took it for a constant: no gradient came back)."""
+    from gradgraph.torch import TorchOrtFactory
+
+    model = _chain("erf_div", 17)
+    cls = TorchOrtFactory(model, ["half"], input_names=["x"], output_names=["loss"]).create_class()
+    x = torch.tensor(np.random.default_rng(3).uniform(-2, 2, (3, 4)), dtype=torch.float32)
+    half = torch.tensor(0.5, requires_grad=True)
+    cls.apply(x, half).backward()
+    xd = x.double()
+    w = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4)
+    expected = float((xd * (1 + torch.erf(xd / math.sqrt(2.0))) * w).sum())
+    assert half.grad is not None
+    np.testing.assert_allclose(half.grad.item(), expected, rtol=1e-5)

@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top-nodes", type=int, default=0, help="also list each session's N slowest nodes")
     args = parser.parse_args()
+    if args.top_nodes < 0:
+        parser.error("--top-nodes must be >= 0")
     import torch
 
     from gradgraph.torch import ORTModule, ortmodule

@@ -139,7 +139,6 @@ class TorchOrtFactory:
         model.graph.outputs.extend(by_name[n] for n in self.output_names)
         n_user = len(self.output_names)
         PrepareForGradientPass(strict_parameters=False)(model)
-        GeluFusionPass()(model)  # an exported GELU formula as one Gelu node
         WholeScoresLossPass()(model)  # a loss over sliced scores: no copy of them, no Pad
         ValidRowsLossPass()(model)  # the rows the loss ignores are not computed
         cuda = "CUDAExecutionProvider" in provider_names(self.providers)
@@ -147,6 +146,9 @@ class TorchOrtFactory:
             rewrite(model)
         # outputs the preparation exposed (Dropout masks, running statistics) are not the user's
         ParamsToInputsPass(self.weights_to_train)(model)
+        # an exported GELU formula as one Gelu node (after the weights became inputs: a trained
+        # scalar is never taken for one of its constants)
+        GeluFusionPass()(model)
         # an output repeated, or a weight or input returned as it is: each its own value (a seed
         # each, their gradients summed), named anew
         DistinctOutputsPass()(model)

@@ -17,22 +17,31 @@ CUDA). Measured on the GPT-2-like benchmark model (tools/bench_training.py's mod
 figures in this pass's test module docstring and the closing note of the issue.
 
 Matched (anything else is left alone): the constants within 1e-4 relative of their exact
-values, scalars; ``x / sqrt 2`` or ``x * (1 / sqrt 2)``; the cube as ``Pow(x, 3)``,
+values (1e-3 in float16, 8e-3 in bfloat16), one element each, of a rank at most x's (a larger
+one would broadcast the result up), each a Constant node or an initializer that is not a graph
+input and not marked a parameter or buffer (``passes.exports.ClassifyWeightsPass``; a trained
+scalar that happens to hold 0.5 stays a weight); ``x / sqrt 2`` or ``x * (1 / sqrt 2)``; the cube as ``Pow(x, 3)``,
 ``x * x * x`` in either association; the three factors ``x``, ``0.5`` and ``(1 + ...)`` of the
 result multiplied in any order and association; every intermediate read only inside the pattern
-and not a graph output; ``x`` a float tensor (float32, or any float type for the standard op).
+(not in an If/Loop body) and not a graph output; ``x`` a float tensor (float32, or any float type for the standard op).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from passes.autodiff.engine import WEIGHT_KIND_KEY
 from passes.kernels._graph import DEFAULT_DOMAINS, MS_DOMAIN, default_opset, take_over
 
-_RTOL = 1e-4
+# How far a constant may be from its exact value, by its dtype's precision (float16 rounds
+# sqrt(2) by 1.1e-4 relative, bfloat16 by up to 3.9e-3).
+_RTOL = {ir.DataType.FLOAT16: 1e-3, ir.DataType.BFLOAT16: 8e-3}
+_DEFAULT_RTOL = 1e-4
+_NOT_CONSTANT_KINDS = ("parameter", "buffer")
 _TANH_K = math.sqrt(2.0 / math.pi)
 _TANH_A = 0.044715
 # The float types each fused op takes: onnxruntime's com.microsoft Gelu/FastGelu CPU kernels
@@ -41,8 +50,18 @@ _MS_TYPES = (ir.DataType.FLOAT,)
 _STD_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
 
 
-def _scalar(value: ir.Value | None) -> float | None:
+def _scalar(value: ir.Value | None) -> tuple[float, int, ir.DataType | None] | None:
+    """(value, rank, dtype) of a one-element constant: a Constant node's output, or an
+    initializer that is not a graph input and not marked a parameter or buffer (a trained
+    scalar is not a GELU constant, whatever its value)."""
     if value is None:
+        return None
+    producer = value.producer()
+    if producer is None:
+        kind = value.metadata_props.get(WEIGHT_KIND_KEY)
+        if not value.is_initializer() or value.is_graph_input() or kind in _NOT_CONSTANT_KINDS:
+            return None
+    elif producer.op_type != "Constant" or producer.domain not in DEFAULT_DOMAINS:
         return None
     tensor = ir.convenience.get_const_tensor(value)
     if tensor is None:
@@ -51,12 +70,7 @@ def _scalar(value: ir.Value | None) -> float | None:
         array = tensor.numpy()
     except Exception:  # noqa: BLE001 - external data not loaded
         return None
-    return float(array.reshape(-1)[0]) if array.size == 1 else None
-
-
-def _near(value: ir.Value | None, target: float) -> bool:
-    got = _scalar(value)
-    return got is not None and abs(got - target) <= _RTOL * abs(target)
+    return (float(array.reshape(-1)[0]), array.ndim, tensor.dtype) if array.size == 1 else None
 
 
 def _op(value: ir.Value | None, *op_types: str) -> ir.Node | None:
@@ -78,9 +92,22 @@ def _pair(node: ir.Node, match) -> ir.Value | None:  # type: ignore[no-untyped-d
 
 
 class _Match:
-    def __init__(self, graph: ir.Graph) -> None:
+    def __init__(self, graph: ir.Graph, keep: frozenset[str]) -> None:
         self.graph = graph
+        self.keep = keep
         self.outputs = {id(v) for v in graph.outputs}
+        self.const_rank = 0  # the largest rank of the constants of the pattern being matched
+
+    def near(self, value: ir.Value | None, target: float) -> bool:
+        """``value`` is a one-element constant equal to ``target`` (within its dtype's precision)."""
+        found = _scalar(value) if value is None or value.name not in self.keep else None
+        if found is None:
+            return False
+        got, rank, dtype = found
+        if abs(got - target) > _RTOL.get(dtype, _DEFAULT_RTOL) * abs(target):  # type: ignore[arg-type]
+            return False
+        self.const_rank = max(self.const_rank, rank)
+        return True
 
     def private(self, value: ir.Value | None, consumer: ir.Node) -> bool:
         """``value`` is read by ``consumer`` alone and is not a graph output."""
@@ -91,7 +118,8 @@ class _Match:
         users = {id(u): u for u, _ in value.uses()}
         if len(users) != 1 or id(value) in self.outputs:
             return None
-        return next(iter(users.values()))
+        user = next(iter(users.values()))
+        return user if user.graph is self.graph else None  # not into an If/Loop body
 
     def erf_input(self, erf: ir.Node) -> tuple[ir.Value, list[ir.Node]] | None:
         """x of ``Erf(x / sqrt 2)``."""
@@ -100,8 +128,8 @@ class _Match:
             return None
         if pre.op_type == "Div":
             x = pre.inputs[0]
-            return (x, [pre]) if x is not None and _near(pre.inputs[1], math.sqrt(2.0)) else None
-        x = _pair(pre, lambda v: _near(v, 1.0 / math.sqrt(2.0)))
+            return (x, [pre]) if x is not None and self.near(pre.inputs[1], math.sqrt(2.0)) else None
+        x = _pair(pre, lambda v: self.near(v, 1.0 / math.sqrt(2.0)))
         return (x, [pre]) if x is not None else None
 
     def cube_of(self, value: ir.Value, x: ir.Value | None) -> tuple[ir.Value, list[ir.Node]] | None:
@@ -111,7 +139,7 @@ class _Match:
             return None
         if node.op_type == "Pow":
             base = node.inputs[0]
-            ok = _near(node.inputs[1], 3.0) and (x is None or base is x)
+            ok = self.near(node.inputs[1], 3.0) and (x is None or base is x)
             return (base, [node]) if ok and base is not None else None
         a, b = node.inputs
         for square, single in ((a, b), (b, a)):
@@ -126,7 +154,7 @@ class _Match:
         scaled = _op(tanh.inputs[0], "Mul")
         if scaled is None or not self.private(tanh.inputs[0], tanh):
             return None
-        inner = _pair(scaled, lambda v: _near(v, _TANH_K))
+        inner = _pair(scaled, lambda v: self.near(v, _TANH_K))
         add = _op(inner, "Add")
         if add is None or not self.private(inner, scaled):
             return None
@@ -134,7 +162,7 @@ class _Match:
             mul = _op(term, "Mul")
             if mul is None or not self.private(term, add):
                 continue
-            cube = _pair(mul, lambda v: _near(v, _TANH_A))
+            cube = _pair(mul, lambda v: self.near(v, _TANH_A))
             found = self.cube_of(cube, x) if cube is not None and self.private(cube, mul) else None
             if found is not None and x is not None:
                 return x, [scaled, add, mul, *found[1]]
@@ -153,12 +181,12 @@ class _Match:
             other = user.inputs[1] if user.inputs[0] is current else user.inputs[0]
             if other is x and not have_x:
                 have_x = True
-            elif _near(other, 0.5) and not have_half:
+            elif self.near(other, 0.5) and not have_half:
                 have_half = True
             else:
                 half = _op(other, "Mul")
                 if half is None or have_x or have_half or not self.private(other, user) \
-                        or _pair(half, lambda v: _near(v, 0.5)) is not x:
+                        or _pair(half, lambda v: self.near(v, 0.5)) is not x:
                     return None
                 nodes.append(half)
                 have_x = have_half = True
@@ -168,36 +196,41 @@ class _Match:
 
     def gelu(self, node: ir.Node) -> tuple[ir.Value, ir.Value, list[ir.Node], str] | None:
         """(x, output, nodes, approximate) of a GELU whose Erf or Tanh is ``node``."""
+        self.const_rank = 0
         found = self.erf_input(node) if node.op_type == "Erf" else self.tanh_input(node)
         if found is None:
             return None
         x, before = found
         add = self.single_user(node.outputs[0])
         if add is None or add.op_type != "Add" or add.domain not in DEFAULT_DOMAINS or len(add.inputs) != 2 \
-                or _pair(add, lambda v: _near(v, 1.0)) is not node.outputs[0]:
+                or _pair(add, lambda v: self.near(v, 1.0)) is not node.outputs[0]:
             return None
         product = self.product(add.outputs[0], x)
         if product is None:
             return None
         out, after = product
+        if self.const_rank and (x.shape is None or len(x.shape) < self.const_rank):
+            return None  # a [1, 1] constant would broadcast a lower-rank x up: not Gelu(x)'s shape
         approximate = "none" if node.op_type == "Erf" else "tanh"
         return x, out, [*before, node, add, *after], approximate
 
 
 class GeluFusionPass(InPlacePass):
     """See the module docstring. ``contrib=False``: below opset 20, leave the chains alone (no
-    ``com.microsoft`` op in the result)."""
+    ``com.microsoft`` op in the result). ``keep``: names of values never taken for a constant of
+    the formula (weights to train that the weight classification calls constants)."""
 
-    def __init__(self, contrib: bool = True) -> None:
+    def __init__(self, contrib: bool = True, keep: Iterable[str] = ()) -> None:
         super().__init__()
         self.contrib = contrib
+        self.keep = frozenset(keep)
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
         standard = default_opset(model) >= 20
         if not standard and not self.contrib:
             return PassResult(model, False)
-        match = _Match(graph)
+        match = _Match(graph, self.keep)
         fused = 0
         for node in list(graph):
             if node.op_type not in ("Erf", "Tanh") or node.domain not in DEFAULT_DOMAINS or node.graph is not graph:
