@@ -287,3 +287,30 @@ def test_torch_ort_factory_trains_a_scalar_of_the_formula() -> None:
     expected = float((xd * (1 + torch.erf(xd / math.sqrt(2.0))) * w).sum())
     assert half.grad is not None
     np.testing.assert_allclose(half.grad.item(), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("contrib", [True, False])
+def test_standard_ops_only(tmp_path, contrib) -> None:
+    """GraphTransformerOptions(contrib_ops=False), the CLI's --standard-ops: no com.microsoft op
+    in the training, eval and inference graphs of an opset-17 model (the chain stays); the
+    default fuses it."""
+    import gradgraph
+    from gradgraph.cli.main import main as cli_main
+    from gradgraph.training.build import TrainingConfig
+    from gradgraph.training.options import GraphTransformerOptions
+    from passes.optimizer import SGDConfig
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_chain("tanh_pow", 17), path)
+    config = TrainingConfig(loss="loss", optimizer=SGDConfig(), weights_to_train=("w",),
+                            graph_transformer=GraphTransformerOptions(contrib_ops=contrib))
+    session = gradgraph.TrainingSession(str(path), config, providers=["CPUExecutionProvider"])
+    graphs = [session.artifacts.train, session.artifacts.eval, session.inference_model()]
+    for graph in graphs:
+        assert any(n.domain == "com.microsoft" for n in graph.graph.node) == contrib
+        assert any(n.op_type == "Tanh" for n in graph.graph.node) == (not contrib)
+    stages = tmp_path / f"stages_{contrib}"
+    args = ["build", str(path), "--loss", "loss", "--save-stages", str(stages)] + ([] if contrib else ["--standard-ops"])
+    assert cli_main(args) == 0
+    saved = [onnx.load(str(p), load_external_data=False) for p in sorted(stages.rglob("*.onnx"))]
+    assert saved and any(any(n.domain == "com.microsoft" for n in m.graph.node) for m in saved) == contrib

@@ -99,6 +99,9 @@ def add_pass_arguments(p: argparse.ArgumentParser) -> None:
     """The graph-transform options shared by ``build`` and ``train``."""
     p.add_argument("--cleanup", action="store_true",
                    help="run the clean-up passes (dead code, CSE, folding, identities)")
+    p.add_argument("--standard-ops", action="store_true",
+                   help="standard ONNX ops only: no onnxruntime com.microsoft op (below opset 20 a "
+                        "written-out GELU otherwise becomes com.microsoft Gelu/FastGelu)")
     p.add_argument("--recompute", nargs="*", default=[], metavar="PATTERN",
                    choices=["gelu", "attn_dropout", "transformer_layers"],
                    help="recompute patterns (the reference's gelu_recompute, "
@@ -154,7 +157,7 @@ def pass_groups(args: argparse.Namespace) -> dict[str, object]:
     try:
         return {
             "graph_transformer": opts.GraphTransformerOptions(
-                cleanup=args.cleanup, recompute=recompute,
+                cleanup=args.cleanup, recompute=recompute, contrib_ops=not args.standard_ops,
                 propagate_cast_ops=opts.CastPropagationConfig(
                     opts.CastStrategy[args.cast_strategy], args.cast_level,
                     tuple(args.cast_allow))),

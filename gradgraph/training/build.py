@@ -219,7 +219,8 @@ def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
     names, paths = config.names, config.debug.graph_save_paths
     forward: list[PassBase] = [PrepareForGradientPass(strict_parameters=config.weights_to_train is None),
                                ReduceLossPass(config.loss, config.loss_reduction),
-                               GeluFusionPass(keep=config.weights_to_train or ()),
+                               GeluFusionPass(contrib=config.graph_transformer.contrib_ops,
+                                              keep=config.weights_to_train or ()),
                                WholeScoresLossPass(), ValidRowsLossPass(),
                                ExposeRunningStatsPass(names.out_suffix)]
     gradient: list[PassBase] = []

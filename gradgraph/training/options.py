@@ -60,6 +60,10 @@ class GraphTransformerOptions:
 
     # Dead code, common subexpressions, constant folding, identities (passes.cleanup).
     cleanup: bool = False
+    # onnxruntime's com.microsoft ops where the build writes them for speed (below opset 20, a
+    # written-out GELU as com.microsoft Gelu/FastGelu: passes.kernels.GeluFusionPass). False:
+    # standard ONNX ops only, for graphs another runtime must load (inference_model() included).
+    contrib_ops: bool = True
     propagate_cast_ops: CastPropagationConfig = CastPropagationConfig()
     # None: no recompute.
     recompute: RecomputeOptions | None = None
