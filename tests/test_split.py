@@ -19,6 +19,7 @@ import gradgraph
 from passes.marks import Role, role_of
 from passes.recompute import RecomputeOptions, RecomputePass, total_stash_bytes
 from passes.split import SPLIT_KEY, SplitError, split_forward_backward
+from passes.split.forward_backward import VIEW_OPS
 
 HAS_STRATEGIES = importlib.util.find_spec("graph_strategies") is not None
 
@@ -48,9 +49,14 @@ def assert_split_exact(model: ir.Model, feeds: dict[str, np.ndarray]) -> None:
         got = forward[name] if name in forward else backward[name]
         np.testing.assert_array_equal(got, expected, err_msg=name)
     # the forward holds no backward-side node, the backward no forward node but copied Constants
+    # and views run again on their stashed input
     assert all(role_of(n) in (Role.FORWARD, Role.PRECISION) or n.op_type in ("Shape", "Size")
                for n in split.forward.graph)
-    assert all(role_of(n) != Role.FORWARD or n.op_type == "Constant" for n in split.backward.graph)
+    assert all(role_of(n) != Role.FORWARD or n.op_type == "Constant" or n.op_type in VIEW_OPS
+               for n in split.backward.graph)
+    # no view's output is stashed: onnxruntime copies a view that is a graph output
+    producers = {v.name: n for n in split.forward.graph for v in n.outputs}
+    assert not any(producers[name].op_type in VIEW_OPS for name in split.stashed if name in producers)
     assert split.forward.graph.metadata_props[SPLIT_KEY] == "forward"
     # the stash is at most what the analysis counts (a Shape-only read stashes the shape)
     stash_bytes, unknown = total_stash_bytes(model)

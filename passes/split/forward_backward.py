@@ -18,7 +18,9 @@ Where the cut goes is read from the node marks (:mod:`passes.marks`), never from
 3. the forward's outputs are the graph outputs it produces, then the *stash*: every value it
    produces that a backward-side node reads, in node order (the boundary the memory
    optimizer of onnxruntime-training and torch's partitioner call saved activations). A
-   ``Constant`` the backward reads is copied into the backward rather than stashed;
+   ``Constant`` the backward reads is copied into the backward rather than stashed; a view
+   (Reshape, Squeeze, Unsqueeze, Flatten, Identity) the backward reads is run again in the
+   backward on its stashed input (a view as a graph output is a copy in onnxruntime);
 4. the backward's inputs are the stash, the forward graph outputs it reads (the loss, for loss
    scaling), then the graph inputs it reads; its outputs are the graph outputs the backward side
    produces. Each side keeps the initializers it reads (a copy when both read one: make weights
@@ -117,14 +119,18 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     back_ids = {id(n) for n, b in zip(nodes, sides) if b}
     graph_outputs = {id(v) for v in graph.outputs}
 
+    graph_outputs_ids = {id(v) for v in graph.outputs}
+    replayed = _replayed_views(nodes, sides, dead, back_ids, owners, graph_outputs_ids)
+    readers_back = back_ids | {id(nodes[i]) for i in replayed}
+
     # Which forward values cross the cut, and which Constants are copied instead.
     copied_constants: set[int] = set()  # node indices
     crossing: list[ir.Value] = []  # node outputs are distinct values: no duplicates
     for index, (node, back) in enumerate(zip(nodes, sides)):
-        if back or id(node) in dead:
+        if back or id(node) in dead or index in replayed:
             continue
         for value in node.outputs:
-            if not any(id(r) in back_ids for r in _readers(value, owners)):
+            if not any(id(r) in readers_back for r in _readers(value, owners)):
                 continue
             if _is_constant(node):
                 copied_constants.add(index)
@@ -136,7 +142,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     outputs_read = [v for v in crossing if id(v) in graph_outputs]
     back_outputs = [v for v in graph.outputs if v.producer() is not None and id(v.producer()) in back_ids]
     graph_inputs_read = [v for v in graph.inputs
-                         if any(id(r) in back_ids for r in _readers(v, owners))]
+                         if any(id(r) in readers_back for r in _readers(v, owners))]
 
     proto = ir.to_proto(model)
     if any(v.type is None for v in crossing):  # the halves' inputs and outputs need their types
@@ -144,8 +150,14 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     _fill_shape_only_shapes(proto, {v.name for v in crossing})
     forward = ir.from_proto(proto)
     backward = ir.from_proto(proto)
-    keep_in_forward = {i for i, (n, b) in enumerate(zip(nodes, sides)) if not b and id(n) not in dead}
-    keep_in_backward = {i for i, b in enumerate(sides) if b} | copied_constants
+    forward_ids = {id(n) for n, b in zip(nodes, sides) if not b and id(n) not in dead}
+    # a replayed view stays in the forward only where a forward node or a user output reads it
+    needed_in_forward = {i for i in replayed if any(
+        id(v) in graph_outputs_ids or any(id(r) in forward_ids for r in _readers(v, owners))
+        for v in nodes[i].outputs)}
+    keep_in_forward = {i for i, (n, b) in enumerate(zip(nodes, sides)) if not b and id(n) not in dead
+                       and (i not in replayed or i in needed_in_forward)}
+    keep_in_backward = {i for i, b in enumerate(sides) if b} | copied_constants | replayed
 
     # Forward: the forward side, outputs = user outputs + stash.
     fwd_nodes = list(forward.graph)
@@ -180,6 +192,34 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
         stashed=tuple(v.name or "" for v in stashed),
         from_forward=tuple(v.name or "" for v in stashed + outputs_read),
         from_caller=tuple(v.name or "" for v in graph_inputs_read))
+
+
+# Ops whose output is a view of their data input: onnxruntime aliases the input's buffer, except
+# for a graph output, which it copies (ORTModule's forward session, GPT-2-like model: 52
+# Reshapes whose outputs the backward kept, 9-14 ms of its ~160 ms, tools/profile_ortmodule.py).
+VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+
+def _replayed_views(nodes: list[ir.Node], sides: list[bool], dead: set[int], back_ids: set[int],
+                    owners: dict[int, ir.Node], graph_outputs: set[int]) -> set[int]:
+    """Indices of the forward view nodes (:data:`VIEW_OPS`) the backward reads the output of:
+    run again in the backward on their input (stashed instead, the same bytes) rather than
+    stashed themselves. In reverse order, so that a chain of views is replayed whole."""
+    replayed: set[int] = set()
+    readers_back = set(back_ids)
+    for index in reversed(range(len(nodes))):
+        node = nodes[index]
+        if sides[index] or id(node) in dead or node.op_type not in VIEW_OPS \
+                or node.domain not in ("", "ai.onnx") or node_subgraphs(node):
+            continue
+        data = node.inputs[0] if node.inputs else None
+        out = node.outputs[0]
+        if data is None or id(out) in graph_outputs or len(node.outputs) != 1:
+            continue
+        if any(id(r) in readers_back for r in _readers(out, owners)):
+            replayed.add(index)
+            readers_back.add(id(node))
+    return replayed
 
 
 def _dead_nodes(graph: ir.Graph, owners: dict[int, ir.Node]) -> set[int]:
