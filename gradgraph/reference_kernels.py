@@ -232,9 +232,24 @@ class LRN(OpRun):
 
 
 # ReferenceEvaluator matches these to nodes by class name.
+def _contrib_gelu(name: str, approximate: str, biased: bool) -> type[OpRun]:
+    """onnxruntime's com.microsoft GELUs (what passes.kernels.GeluFusionPass writes below opset
+    20), float64-exact: ``Gelu`` (erf), ``FastGelu`` (tanh; optional bias), ``BiasGelu`` (erf of
+    ``A + B``)."""
+
+    def _run(self, x, bias=None, **_attributes):  # type: ignore[no-untyped-def]
+        # (the evaluator passes the attributes of an ONNX op of the same name: not these ops')
+        return Gelu._run(self, x if bias is None else x + bias, approximate=approximate)
+
+    doc = f"com.microsoft {name}: Gelu(x{' + bias' if biased else ''}), approximate={approximate!r}"
+    return type(name, (OpRun,), {"op_domain": "com.microsoft", "_run": _run, "__doc__": doc})
+
+
 REFERENCE_OVERRIDES: list[type[OpRun]] = [
     AveragePool, ConvTranspose, Erf, Gelu, GlobalAveragePool, GlobalMaxPool, LayerNormalization, LpPool, LRN,
     Mean, Softsign,
+    _contrib_gelu("Gelu", "none", False), _contrib_gelu("FastGelu", "tanh", True),
+    _contrib_gelu("BiasGelu", "none", True),
 ]
 
 

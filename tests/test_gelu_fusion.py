@@ -141,6 +141,10 @@ def test_written_forms(variant, opset) -> None:
     approximate = "tanh" if variant.startswith("tanh") else "none"
     expected = ("", "Gelu") if opset >= 20 else ("com.microsoft", "FastGelu" if approximate == "tanh" else "Gelu")
     assert _ops(fused) == [expected, ("", "Mul"), ("", "ReduceSum")]
+    # the formula's constants went with it; what the original did not read either stays
+    read = {i for n in model.graph.node for i in n.input}
+    assert {i.name for i in fused.graph.initializer} == {"w"} | {i.name for i in model.graph.initializer
+                                                               if i.name not in read}
     if opset >= 20:
         (gelu,) = [n for n in fused.graph.node if n.op_type == "Gelu"]
         assert helper.get_attribute_value(gelu.attribute[0]) == approximate.encode()
@@ -314,3 +318,23 @@ def test_standard_ops_only(tmp_path, contrib) -> None:
     assert cli_main(args) == 0
     saved = [onnx.load(str(p), load_external_data=False) for p in sorted(stages.rglob("*.onnx"))]
     assert saved and any(any(n.domain == "com.microsoft" for n in m.graph.node) for m in saved) == contrib
+
+
+def test_check_uses_a_float64_oracle_for_the_contrib_gelus(tmp_path, capsys) -> None:
+    """`gradgraph check` on a fused model (a stage file of the build): the reference evaluator
+    knows com.microsoft Gelu/FastGelu in float64 (it refused them: a float32 fallback)."""
+    from gradgraph.cli.main import main as cli_main
+
+    fused, _ = _fused(_chain("erf_div", 17))
+    path = tmp_path / "fused.onnx"
+    onnx.save(fused, path)
+    assert cli_main(["check", str(path), "--loss", "loss", "--weights", "w", "x"]) == 0
+    out = capsys.readouterr()
+    assert "float64 central differences in the ONNX reference evaluator" in out.out + out.err
+
+
+def test_legacy_export_leaves_no_dead_constant() -> None:
+    fused, modified = _fused(_legacy_export(_Mlp("tanh"), torch.randn(5, 6)))
+    assert modified
+    read = {i for n in fused.graph.node for i in n.input} | {o.name for o in fused.graph.output}
+    assert all(n.output[0] in read for n in fused.graph.node if n.op_type == "Constant")

@@ -215,6 +215,21 @@ class _Match:
         return x, out, [*before, node, add, *after], approximate
 
 
+def _drop_unread_constants(graph: ir.Graph, values: list[ir.Value]) -> None:
+    """The formula's constants that nothing reads any more (Constant nodes, initializers that
+    are not graph inputs)."""
+    outputs = {id(v) for v in graph.outputs}
+    for value in {id(v): v for v in values}.values():
+        if value.uses() or id(value) in outputs:
+            continue
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant" and producer.graph is graph:
+            graph.remove(producer, safe=True)
+        elif producer is None and value.is_initializer() and not value.is_graph_input() \
+                and graph.initializers.get(value.name or "") is value:
+            graph.initializers.pop(value.name or "")
+
+
 class GeluFusionPass(InPlacePass):
     """See the module docstring. ``contrib=False``: below opset 20, leave the chains alone (no
     ``com.microsoft`` op in the result). ``keep``: names of values never taken for a constant of
@@ -252,6 +267,8 @@ class GeluFusionPass(InPlacePass):
             gelu.metadata_props.update(last.metadata_props)
             graph.insert_after(last, gelu)
             take_over(graph, out, gelu.outputs[0])
+            read = [v for n in nodes for v in n.inputs if v is not None]
             graph.remove(nodes, safe=True)
+            _drop_unread_constants(graph, read)
             fused += 1
         return PassResult(model, fused > 0)
