@@ -3,6 +3,8 @@ equivalent module (oracle), rel 1e-5 / abs 1e-6; weights in any order."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -128,3 +130,35 @@ def test_outputs_that_are_weights_inputs_or_repeated_get_every_gradient(output_n
     sum(f * ref[n].sum() for n, f in zip(names, factors)).backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_default_dynamo_export_trains_its_linear_weights_by_torch_name(tmp_path):
+    """torch.onnx.export's dynamo exporter (optimize=True, opset 18) folds each Linear weight into a
+    transposed constant ``val_N``: the factory recovers it, trains it under its torch name and
+    layout, and names the parameter when given the folded name."""
+    import io
+
+    import onnx
+
+    from passes.autodiff import GradientError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x = torch.randn(2, 5, 4)  # 3-D: a MatMul by the weight's (folded) transpose, not a Gemm
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (x,), f, input_names=["x"], output_names=["y"], opset_version=18)
+    model = onnx.load_from_string(f.getvalue())
+    assert "0.weight" not in {i.name for i in model.graph.initializer}  # folded by the exporter
+    names = ["2.weight", "0.bias", "0.weight", "2.bias"]
+    params = dict(net.named_parameters())
+    weights = [params[n].detach().clone().requires_grad_(True) for n in names]
+    cls = TorchOrtFactory(model, names, input_names=["x"], output_names=["y"]).create_class()
+    (cls.apply(x, *weights) ** 2).sum().backward()
+    (net(x) ** 2).sum().backward()
+    for name, w in zip(names, weights, strict=True):
+        torch.testing.assert_close(w.grad, params[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    folded = next(i.name for i in model.graph.initializer if i.name.startswith("val_"))
+    with pytest.raises((GradientError, ValueError), match="train '"):
+        TorchOrtFactory(model, [folded], input_names=["x"], output_names=["y"]).create_class()

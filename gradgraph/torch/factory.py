@@ -33,6 +33,7 @@ from gradgraph.torch.ortmodule import (
     tf32_option,
 )
 from gradgraph.validate import check_names
+from passes.exports.recover import RecoverParametersPass
 from passes.forward.distinct_outputs import DistinctOutputsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
@@ -74,6 +75,13 @@ class TorchOrtFactory:
         graph_inputs = [i.name for i in proto.graph.input if i.name not in initializers]
         outputs = [o.name for o in proto.graph.output]
         missing = [w for w in weights_to_train if w not in initializers and w not in graph_inputs]
+        if missing:  # a dynamo export's optimizer may have folded them: recover what it can
+            recovered = ir.from_proto(proto)
+            RecoverParametersPass(strict=False)(recovered)
+            names = {v.name for v in recovered.graph.initializers.values()}
+            if all(w in names or w in graph_inputs for w in missing):
+                proto, initializers = ir.to_proto(recovered), names
+                missing = []
         if missing:
             raise ValueError(f"TorchOrtFactory: weights_to_train {missing} are neither initializers nor "
                              f"inputs of the model; its initializers are {sorted(initializers)[:10]}")

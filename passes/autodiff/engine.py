@@ -181,8 +181,14 @@ class GradientSweep:
         for name in names:
             value = self.values.get(name)
             if value is None or not (value.is_graph_input() or value.is_initializer()):
+                hint = ""
+                node = value.producer() if value is not None else None
+                if node is not None:  # e.g. a folded parameter an export's recovery recomputes
+                    sources = [v.name for v in node.inputs if v is not None and v.is_initializer()]
+                    hint = f"; it is computed by a {node.op_type} node" + (
+                        f" from {sources}: train {', '.join(map(repr, sources))} instead" if sources else "")
                 raise GradientError(
-                    f"trained name {name!r} is neither an initializer nor a graph input of the model"
+                    f"trained name {name!r} is neither an initializer nor a graph input of the model{hint}"
                 )
             if value.dtype is not None and value.dtype not in FLOAT_TYPES:
                 raise GradientError(
