@@ -214,3 +214,27 @@ def test_kernel_support_probes_what_can_run_here() -> None:
     assert kernel_support(["CUDAExecutionProvider"], "float16") is None
     # the session falls back to the CPU: its kernels are what the graphs must use (probed)
     assert kernel_support(["CUDAExecutionProvider", "CPUExecutionProvider"], "float16") is not None
+
+
+def test_summary_names_the_dims_that_would_size_the_stash() -> None:
+    """The build summary asks for the named symbolic dims it lacks, and says which stashed
+    tensors no --dim can size (a dim computed at run time: the rows a loss keeps, or one shape
+    inference left unnamed, ``unk__N``), instead of asking to name those."""
+    import numpy as np
+    import onnx_ir as ir
+    from onnx import TensorProto
+    from test_valid_rows_loss import _head_model, _params
+
+    from gradgraph import build_gradient_graph
+    from gradgraph.training.summary import stash_lines
+    from passes.kernels import ValidRowsLossPass
+
+    model = _head_model("sce", "mean", TensorProto.INT64, False, True, _params(np.random.default_rng(0)))
+    head = stash_lines(build_gradient_graph(model, "loss"), {})[0]
+    assert "give --dim batch=VALUE seq=VALUE to size them" in head and "unk__" not in head
+    head = stash_lines(build_gradient_graph(model, "loss"), {"batch": 3, "seq": 5})[0]
+    assert "--dim batch" not in head and "which --dim cannot size" in head
+    m = ir.from_proto(model)
+    ValidRowsLossPass()(m)
+    head = stash_lines(build_gradient_graph(ir.to_proto(m), "loss"), {"batch": 3, "seq": 5})[0]
+    assert "give --dim" not in head and "which --dim cannot size" in head

@@ -338,3 +338,4 @@ def test_legacy_export_leaves_no_dead_constant() -> None:
     assert modified
     read = {i for n in fused.graph.node for i in n.input} | {o.name for o in fused.graph.output}
     assert all(n.output[0] in read for n in fused.graph.node if n.op_type == "Constant")
+

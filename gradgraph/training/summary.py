@@ -33,14 +33,46 @@ def stash_lines(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) -
     for s in sorted(known, key=lambda s: -(s.nbytes or 0)):
         producer = s.producer.op_type
         lines.append(f"  {s.value.name}  {producer}  {_shape(s.value)}  {_human(s.nbytes or 0)}")
+    names: set[str] = set()  # the named dims that would size the unknown ones
+    unnamed = 0  # those with a dim no name can give (computed at run time: the rows a loss keeps)
     for s in unknown:
         producer = s.producer.op_type
-        lines.append(f"  {s.value.name}  {producer}  {_shape(s.value)}  (size depends on a symbolic dim)")
+        missing, anonymous = _unsized(s.value, dims or {})
+        names.update(missing)
+        unnamed += anonymous
+        why = "a dim computed at run time" if anonymous else "symbolic dims " + ", ".join(sorted(missing))
+        lines.append(f"  {s.value.name}  {producer}  {_shape(s.value)}  (size depends on {why})")
     total = sum(s.nbytes or 0 for s in known)
     head = f"activations kept for the backward: {len(stashes)} tensors, {_human(total)}"
     if unknown:
-        head += f" (+{len(unknown)} of symbolic size; give --dim NAME=VALUE to size them)"
+        parts = []
+        if names:
+            parts.append("give --dim " + " ".join(f"{n}=VALUE" for n in sorted(names)) + " to size them")
+        if unnamed:
+            parts.append(f"{unnamed} with a dim that has no name (computed at run time, e.g. the "
+                         "rows a loss keeps), which --dim cannot size")
+        head += f" (+{len(unknown)} of symbolic size; " + "; ".join(parts) + ")"
     return [head] + lines
+
+
+# The names ONNX shape inference makes up for dims it cannot name (``unk__0``, ...).
+_GENERATED_DIM = "unk__"
+
+
+def _unsized(value: ir.Value, dims: Mapping[str, int]) -> tuple[set[str], bool]:
+    """The dim names of ``value`` that ``dims`` lacks, and whether a dim has no name at all."""
+    if value.shape is None:
+        return set(), True
+    missing, anonymous = set(), False
+    for dim in value.shape:
+        if isinstance(dim, int):
+            continue
+        name = getattr(dim, "value", None)
+        if not isinstance(name, str) or not name or name.startswith(_GENERATED_DIM):
+            anonymous = True
+        elif name not in dims:
+            missing.add(name)
+    return missing, anonymous
 
 
 def _shape(value: ir.Value) -> str:
