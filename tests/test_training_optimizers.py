@@ -141,3 +141,31 @@ def test_cuda_request_without_cuda_build_is_a_clear_error() -> None:
     config = TrainingConfig("loss", AdamWConfig())
     with pytest.raises(ValueError, match="CUDAExecutionProvider.*onnxruntime-gpu"):
         TrainingSession(model, config, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_learning_rate_in_the_weights_precision(tmp_path, dtype) -> None:
+    """A float64 model's learning rate is a float64 input: SGD steps equal numpy's float64 ones to
+    rounding (a float32 rate, 1e-3 -> 1.00000005e-3, moved the weights off by ~5e-11 relative a
+    step); a float32 model keeps a float32 rate."""
+    from onnx import helper, numpy_helper
+
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    w0 = np.linspace(-1, 1, 12).reshape(4, 3).astype(dtype)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Mul", ["y", "y"], ["y2"]),
+             helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", elem, [2, 4])],
+                              [helper.make_tensor_value_info("loss", elem, [])], [numpy_helper.from_array(w0, "w")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    config = TrainingConfig(loss="loss", optimizer=SGDConfig(), weights_to_train=("w",))
+    session = TrainingSession(str(path), config, providers=["CPUExecutionProvider"])
+    lr_input = next(i for i in session.artifacts.train.graph.input if i.name == config.names.learning_rate)
+    assert lr_input.type.tensor_type.elem_type == elem
+    x = np.arange(8, dtype=dtype).reshape(2, 4) / 7
+    w = w0.astype(np.float64)
+    for _ in range(3):
+        session.train_step({"x": x}, lr=1e-3)
+        w = w - 1e-3 * (x.astype(np.float64).T @ (2 * (x.astype(np.float64) @ w)))
+    tol = 1e-13 if dtype == np.float64 else 1e-6
+    np.testing.assert_allclose(session.get_state()["w"], w, rtol=tol, atol=0)

@@ -303,7 +303,7 @@ class DataParallelRunner:
         local = True
         if self.apply is not None:
             feeds = {self.grad_inputs[w]: grads[w] for w in self.owned}
-            feeds[names.learning_rate] = np.asarray(lr, np.float32).reshape(())
+            feeds[names.learning_rate] = np.asarray(lr, np.float64).reshape(())  # the graph's dtype at binding
             wanted = [names.finite] if names.finite in self.apply.fetchable else []
             out = self.apply.run(store, feeds, wanted)
             local = bool(out[names.finite]) if wanted else True

@@ -289,7 +289,7 @@ class TrainingSession:
             if lr is None:
                 raise ValueError(f"no learning rate: pass lr=, feed {names.learning_rate!r} or "
                                  "set session.learning_rate")
-            feeds[names.learning_rate] = np.asarray(lr, np.float32).reshape(())
+            feeds[names.learning_rate] = np.asarray(lr, np.float64).reshape(())  # the graph's dtype at binding
         else:
             feeds.pop(names.learning_rate, None)
         loss = self.config.loss

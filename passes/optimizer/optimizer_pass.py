@@ -277,7 +277,10 @@ class OptimizerPass(InPlacePass):
             # updates then clip by the same factor. Under a loss scale, from the unscaled units.
             parts = list(unit_grads.values()) if scaler is not None else [grads[w] for w in weights]
             self._clip(b, unit_grads, parts, add_output)
-        lr = add_input(names.learning_rate, None, ir.DataType.FLOAT)
+        # float64 where a float64 weight is trained: a float32 rate (1e-3 -> 1.00000005e-3) would
+        # move float64 weights off torch's trajectory by ~5e-8 relative a step
+        double = any(inputs[w].dtype == ir.DataType.DOUBLE for w in weights)
+        lr = add_input(names.learning_rate, None, ir.DataType.DOUBLE if double else ir.DataType.FLOAT)
         step = add_input(names.step, None, ir.DataType.INT64)
         sc = StepScalars(b, lr, step)
         updates: list[_Update] = []
