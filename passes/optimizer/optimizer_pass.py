@@ -11,7 +11,7 @@ gradient values from ``GradientPass``:
 3. with ``max_grad_norm``: global L2 norm clipping with torch.nn.utils.clip_grad_norm_
    semantics, ``g *= min(1, max_norm / (norm + clip_eps))``; the norm is output as
    ``global_gradient_norm``;
-4. inputs ``learning_rate`` (float scalar) and ``step`` (int64 scalar, updates done so far),
+4. inputs ``learning_rate`` (float scalar; double where a double weight is trained) and ``step`` (int64 scalar, updates done so far),
    and per trained weight its optimizer state ``<w>.<state>``; the optimizer rule emits the
    new weight ``<w>.out``, new state ``<w>.<state>.out`` and ``step.out = step + 1``;
 5. with ``skip_non_finite`` (the default): the bool scalar output ``step_finite`` is true when
