@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,6 +44,36 @@ def _command(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--checkpoint-dir", str(out), "--checkpoint-every", "1", "--quiet", *extra]
 
 
+def _loud(command: list[str]) -> list[str]:
+    """``command`` with its progress bar on: what :func:`_wait_until_training` waits for."""
+    return [c for c in command if c != "--quiet"]
+
+
+def _wait_until_training(child: subprocess.Popen, timeout: float = 180.0) -> tuple[list[str], Any]:
+    """Block until ``child`` (a train run with a progress bar on stderr) has built its session and
+    started its loop: tqdm draws the empty bar then. The wait is on the run, not on the clock: on
+    a loaded machine imports and the build took longer than a fixed sleep (the signal then came
+    during the imports). Returns the buffer that a reader thread keeps filling with stderr, and
+    the thread (it ends with the child's stderr)."""
+    import threading
+
+    assert child.stderr is not None
+    chunks: list[str] = []
+
+    def read() -> None:
+        for chunk in iter(lambda: child.stderr.read(1), ""):  # type: ignore[union-attr]
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while "%|" not in "".join(chunks):
+        if child.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the run did not start its loop: {''.join(chunks)[-2000:]}")
+        time.sleep(0.05)
+    return chunks, reader
+
+
 def _temps(folder: Path) -> list[Path]:
     return [p for p in folder.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
 
@@ -56,9 +87,10 @@ def test_sigkill_loop_keeps_a_loadable_checkpoint(files: tuple[Path, Path], tmp_
     last_step = -1
     for kill in range(KILLS):
         extra = ("--resume",) if (out / CHECKPOINT_NAME).is_file() else ()
-        child = subprocess.Popen(_command(model, data, out, *extra), env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(rng.uniform(1.0, 3.0))
+        child = subprocess.Popen(_loud(_command(model, data, out, *extra)), env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _wait_until_training(child)
+        time.sleep(rng.uniform(0.0, 2.0))  # a random moment of the loop: a step, a save, a rename
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
         if (out / CHECKPOINT_NAME).is_file():
@@ -81,12 +113,15 @@ def test_ctrl_c_saves_and_exits_130(files: tuple[Path, Path], tmp_path: Path) ->
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # SIGINT's default action in the child whatever this process inherited (a shell's background
     # job ignores SIGINT, and an ignored signal stays ignored across exec)
-    child = subprocess.Popen(_command(model, data, out, "--checkpoint-every", "0"), env=env,
+    child = subprocess.Popen(_loud(_command(model, data, out, "--checkpoint-every", "0")), env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    time.sleep(4.0)
+    chunks, reader = _wait_until_training(child)
+    time.sleep(1.0)  # some steps (milliseconds each)
     child.send_signal(signal.SIGINT)
-    _, err = child.communicate(timeout=60)
+    child.wait(timeout=60)
+    reader.join(timeout=30)  # the rest of stderr
+    err = "".join(chunks)
     assert child.returncode == 130, err
     assert "Traceback" not in err
     tensors, meta = read_checkpoint(out / CHECKPOINT_NAME)
