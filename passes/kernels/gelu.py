@@ -35,7 +35,14 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.engine import WEIGHT_KIND_KEY
-from passes.kernels._graph import DEFAULT_DOMAINS, MS_DOMAIN, default_opset, take_over
+from passes.kernels._graph import (
+    DEFAULT_DOMAINS,
+    MS_DOMAIN,
+    const_array,
+    default_opset,
+    only_use,
+    take_over,
+)
 
 # How far a constant may be from its exact value, by its dtype's precision (float16 rounds
 # sqrt(2) by 1.1e-4 relative, bfloat16 by up to 3.9e-3).
@@ -63,14 +70,10 @@ def _scalar(value: ir.Value | None) -> tuple[float, int, ir.DataType | None] | N
             return None
     elif producer.op_type != "Constant" or producer.domain not in DEFAULT_DOMAINS:
         return None
-    tensor = ir.convenience.get_const_tensor(value)
-    if tensor is None:
+    array = const_array(value)
+    if array is None or array.size != 1:
         return None
-    try:
-        array = tensor.numpy()
-    except Exception:  # noqa: BLE001 - external data not loaded
-        return None
-    return (float(array.reshape(-1)[0]), array.ndim, tensor.dtype) if array.size == 1 else None
+    return float(array.reshape(-1)[0]), array.ndim, ir.DataType.from_numpy(array.dtype)
 
 
 def _op(value: ir.Value | None, *op_types: str) -> ir.Node | None:
@@ -109,11 +112,6 @@ class _Match:
         self.const_rank = max(self.const_rank, rank)
         return True
 
-    def private(self, value: ir.Value | None, consumer: ir.Node) -> bool:
-        """``value`` is read by ``consumer`` alone and is not a graph output."""
-        return (value is not None and id(value) not in self.outputs
-                and all(user is consumer for user, _ in value.uses()))
-
     def single_user(self, value: ir.Value) -> ir.Node | None:
         users = {id(u): u for u, _ in value.uses()}
         if len(users) != 1 or id(value) in self.outputs:
@@ -124,7 +122,7 @@ class _Match:
     def erf_input(self, erf: ir.Node) -> tuple[ir.Value, list[ir.Node]] | None:
         """x of ``Erf(x / sqrt 2)``."""
         pre = _op(erf.inputs[0], "Div", "Mul")
-        if pre is None or not self.private(erf.inputs[0], erf):
+        if pre is None or not only_use(erf.inputs[0], self.graph, erf):
             return None
         if pre.op_type == "Div":
             x = pre.inputs[0]
@@ -145,25 +143,25 @@ class _Match:
         for square, single in ((a, b), (b, a)):
             sq = _op(square, "Mul")
             if sq is not None and single is not None and sq.inputs[0] is sq.inputs[1] is single \
-                    and (x is None or single is x) and self.private(square, node):
+                    and (x is None or single is x) and only_use(square, self.graph, node):
                 return single, [sq, node]
         return None
 
     def tanh_input(self, tanh: ir.Node) -> tuple[ir.Value, list[ir.Node]] | None:
         """x of ``Tanh(sqrt(2/pi) * (x + 0.044715 * x ** 3))``."""
         scaled = _op(tanh.inputs[0], "Mul")
-        if scaled is None or not self.private(tanh.inputs[0], tanh):
+        if scaled is None or not only_use(tanh.inputs[0], self.graph, tanh):
             return None
         inner = _pair(scaled, lambda v: self.near(v, _TANH_K))
         add = _op(inner, "Add")
-        if add is None or not self.private(inner, scaled):
+        if add is None or not only_use(inner, self.graph, scaled):
             return None
         for x, term in (add.inputs, add.inputs[::-1]):
             mul = _op(term, "Mul")
-            if mul is None or not self.private(term, add):
+            if mul is None or not only_use(term, self.graph, add):
                 continue
             cube = _pair(mul, lambda v: self.near(v, _TANH_A))
-            found = self.cube_of(cube, x) if cube is not None and self.private(cube, mul) else None
+            found = self.cube_of(cube, x) if cube is not None and only_use(cube, self.graph, mul) else None
             if found is not None and x is not None:
                 return x, [scaled, add, mul, *found[1]]
         return None
@@ -185,7 +183,7 @@ class _Match:
                 have_half = True
             else:
                 half = _op(other, "Mul")
-                if half is None or have_x or have_half or not self.private(other, user) \
+                if half is None or have_x or have_half or not only_use(other, self.graph, user) \
                         or _pair(half, lambda v: self.near(v, 0.5)) is not x:
                     return None
                 nodes.append(half)

@@ -119,8 +119,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     back_ids = {id(n) for n, b in zip(nodes, sides) if b}
     graph_outputs = {id(v) for v in graph.outputs}
 
-    graph_outputs_ids = {id(v) for v in graph.outputs}
-    replayed = _replayed_views(nodes, sides, dead, back_ids, owners, graph_outputs_ids)
+    replayed = _replayed_views(nodes, sides, dead, back_ids, owners, graph_outputs)
     readers_back = back_ids | {id(nodes[i]) for i in replayed}
 
     # Which forward values cross the cut, and which Constants are copied instead.
@@ -153,7 +152,7 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     forward_ids = {id(n) for n, b in zip(nodes, sides) if not b and id(n) not in dead}
     # a replayed view stays in the forward only where a forward node or a user output reads it
     needed_in_forward = {i for i in replayed if any(
-        id(v) in graph_outputs_ids or any(id(r) in forward_ids for r in _readers(v, owners))
+        id(v) in graph_outputs or any(id(r) in forward_ids for r in _readers(v, owners))
         for v in nodes[i].outputs)}
     keep_in_forward = {i for i, (n, b) in enumerate(zip(nodes, sides)) if not b and id(n) not in dead
                        and (i not in replayed or i in needed_in_forward)}
