@@ -188,3 +188,34 @@ def test_missing_learning_rate(mlp_model: bytes) -> None:
         session.train_step(mlp_batches(1)[0])
     session.learning_rate = LR
     assert np.isfinite(session.train_step(mlp_batches(1)[0]))
+
+
+def test_kept_bindings_follow_the_state_and_the_fetches(mlp_model: bytes) -> None:
+    """The runner keeps its IOBindings between steps (ort_state.GraphRunner._binding): an array
+    returned by one step is not overwritten by the next, a state loaded between steps is the one
+    trained, and a change of fetches gets what it asks for."""
+    batches = mlp_batches(6)
+    config = TrainingConfig("loss", AdamWConfig(), update=UpdateOptions(max_grad_norm=1.0))
+    session = TrainingSession(mlp_model, config, providers=CPU)
+    fresh = TrainingSession(mlp_model, config, providers=CPU)
+    start = fresh.get_state()
+    kept = []
+    for f in batches[:3]:
+        loss, out = session.train_step(f, lr=LR, fetches=["loss"])
+        kept.append((loss, out["loss"]))
+    assert len({loss for loss, _ in kept}) == 3
+    for loss, array in kept:  # each step's array still holds its own loss
+        assert float(array.reshape(-1)[0]) == loss
+    session.load_state(start)  # back to the start: the same trajectory as a fresh session
+    for f in batches[3:]:
+        ours, theirs = session.train_step(f, lr=LR), fresh.train_step(f, lr=LR)
+        assert ours == theirs
+    fetched = session.train_step(batches[0], lr=LR, fetches=["step_finite", "loss"])[1]
+    assert sorted(fetched) == ["loss", "step_finite"] and bool(fetched["step_finite"])
+    loss, out = session.train_step(batches[1], lr=LR, fetches=["loss"])
+    assert float(out["loss"].reshape(-1)[0]) == loss
+    fresh.train_step(batches[0], lr=LR)
+    fresh.train_step(batches[1], lr=LR)
+    ours = session.get_state()
+    for name, value in fresh.get_state().items():
+        assert np.array_equal(ours[name], value), name
