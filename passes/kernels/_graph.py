@@ -7,6 +7,9 @@ import onnx_ir as ir
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 MS_DOMAIN = "com.microsoft"  # onnxruntime's contrib ops (in stock onnxruntime, CPU and CUDA)
+# onnxruntime's contrib GELUs (GeluFusionPass writes Gelu / FastGelu below opset 20): elementwise
+# on x (and a bias over the last axis), in the precision of their input like the standard Gelu.
+CONTRIB_GELUS = frozenset({"Gelu", "FastGelu", "BiasGelu", "QuickGelu"})
 
 
 def const_array(value: ir.Value | None) -> np.ndarray | None:

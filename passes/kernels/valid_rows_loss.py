@@ -50,6 +50,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.builder import OpBuilder, dims_equal, scope_taken_names
 from passes.kernels._graph import (
+    CONTRIB_GELUS,
     DEFAULT_DOMAINS,
     MS_DOMAIN,
     default_opset,
@@ -65,8 +66,6 @@ _UNARY = frozenset({
     "LeakyRelu", "Log", "Mish", "Neg", "Reciprocal", "Relu", "Selu", "Sigmoid", "Softplus",
     "Softsign", "Sqrt", "Tanh", "ThresholdedRelu",
 })
-# onnxruntime's contrib GELUs (passes/kernels/gelu.py writes them below opset 20).
-_MS_UNARY = frozenset({"Gelu", "FastGelu", "BiasGelu", "QuickGelu"})
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu", "Clip"})
 _LAST_AXIS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization"})
 _MATMUL = frozenset({"MatMul", "Gemm"})
@@ -100,7 +99,7 @@ def _broadcast_along_last(value: ir.Value, out_rank: int) -> bool:
 
 def _row_inputs(node: ir.Node, opset: int) -> list[int] | None:
     """Which inputs of ``node`` are row-shaped, when ``node`` works row by row; else None."""
-    if (node.domain not in DEFAULT_DOMAINS and not (node.domain == MS_DOMAIN and node.op_type in _MS_UNARY)) \
+    if (node.domain not in DEFAULT_DOMAINS and not (node.domain == MS_DOMAIN and node.op_type in CONTRIB_GELUS)) \
             or not node.outputs:
         return None
     out = node.outputs[0]

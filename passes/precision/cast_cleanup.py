@@ -22,8 +22,8 @@ import itertools
 import onnx_ir as ir
 from onnx_ir.passes import common
 
+from passes.kernels._graph import DEFAULT_DOMAINS
 from passes.marks import Role, mark
-from passes.precision.policy import DEFAULT_DOMAINS
 from passes.subgraphs import nested_graphs, node_subgraphs
 
 F32 = ir.DataType.FLOAT

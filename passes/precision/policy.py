@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import onnx
 import onnx_ir as ir
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
+from passes.kernels._graph import CONTRIB_GELUS, DEFAULT_DOMAINS, MS_DOMAIN
 
 # ---- cast propagation -------------------------------------------------------------------------
 
@@ -120,9 +120,6 @@ PASS_THROUGH_OPS = frozenset({
     "GlobalAveragePool", "GlobalMaxPool",
 })
 
-# onnxruntime's contrib GELUs: in the precision of their input, as the standard Gelu.
-CONTRIB_GELUS = frozenset({"Gelu", "FastGelu", "BiasGelu", "QuickGelu"})
-
 # Ops whose statistics dtype is the ``stash_type`` attribute (1 = float32).
 STASH_TYPE_OPS = frozenset({"LayerNormalization", "RMSNormalization"})
 
@@ -140,7 +137,7 @@ CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
 
 def precision_of(op_type: str, domain: str) -> Precision:
     """The mixed-precision category of an op; anything unlisted stays fp32."""
-    if domain == "com.microsoft" and op_type in CONTRIB_GELUS:
+    if domain == MS_DOMAIN and op_type in CONTRIB_GELUS:
         return Precision.PASS_THROUGH  # as the standard Gelu (kernels.GeluFusionPass writes them)
     if domain not in DEFAULT_DOMAINS:
         return Precision.FP32
