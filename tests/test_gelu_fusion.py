@@ -167,6 +167,15 @@ def test_left_alone() -> None:
     assert not _fused(_chain("tanh_cube", 17), contrib=False)[1]
     assert _fused(_chain("tanh_cube", 20), contrib=False)[1]
 
+    # 0.5, 1 and 3 only when exact (every float type holds them); never a NaN constant
+    for variant, name, value in (("tanh_pow", "three", 3.0003), ("erf_div", "half", 0.50001),
+                                 ("erf_div", "one", 1.00001), ("erf_div", "half", float("nan")),
+                                 ("erf_div", "sqrt2", float("nan"))):
+        model = _chain(variant, 20)
+        (init,) = [i for i in model.graph.initializer if i.name == name]
+        init.CopyFrom(numpy_helper.from_array(np.array(value, np.float32), name))
+        assert not _fused(model)[1], (variant, name, value)
+
 
 def test_rows_a_loss_ignores_skip_the_fused_gelu_too() -> None:
     """After the fusion, ValidRowsLossPass still computes the masked-LM head (now holding

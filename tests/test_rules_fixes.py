@@ -420,3 +420,28 @@ def test_gather_with_int32_indices(axis):
     idx = np.array([[0, -1], [2, 0]], np.int32)
     model, feeds = make_model("Gather", {"x": (3, 4)}, {"axis": axis}, consts={"idx": idx})
     assert_fd(model, feeds, ["x"])
+
+
+@pytest.mark.parametrize("domain", ["", "com.microsoft"])
+def test_tanh_gelu_gradient_is_finite_in_float16(domain: str) -> None:
+    """The tanh GELU's derivative (ONNX Gelu approximate="tanh", com.microsoft FastGelu) computed
+    in float16, node by node as a float16 GPU kernel would: finite for any finite x, equal to
+    the float64 formula where x is moderate and to its limits 0 / 1 far out. Unclipped, x^2
+    overflowed from 256 and 0 * inf made it NaN from x ~ -86."""
+    from gradgraph.reference_kernels import REFERENCE_OVERRIDES
+    node = (helper.make_node("FastGelu", ["x"], ["y"], domain=domain) if domain
+            else helper.make_node("Gelu", ["x"], ["y"], approximate="tanh"))
+    graph = helper.make_graph([node, helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [14])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT16, [])])
+    opsets = [helper.make_opsetid("", 20)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=opsets, ir_version=9))
+    grad = build_gradient_graph(model, "loss", ["x"])
+    x = np.array([-6e4, -300, -100, -86, -20, -3, -1, 0.5, 1, 3, 20, 100, 300, 6e4], np.float16)
+    with np.errstate(all="ignore"):
+        (dx,) = ReferenceEvaluator(grad, new_ops=REFERENCE_OVERRIDES).run(["x_grad"], {"x": x})
+    k, a, x64 = np.sqrt(2 / np.pi), 0.044715, x.astype(np.float64)
+    t = np.tanh(k * (x64 + a * x64 ** 3))
+    want = 0.5 * (1 + t) + 0.5 * x64 * (1 - t * t) * k * (1 + 3 * a * x64 * x64)
+    assert dx.dtype == np.float16 and np.isfinite(dx).all(), dx
+    np.testing.assert_allclose(dx.astype(np.float64), want, rtol=4e-3, atol=2e-3)

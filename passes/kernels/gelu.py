@@ -16,8 +16,9 @@ or 15 (tanh) nodes computed from ``x`` alone. The fused node is the standard ``G
 CUDA). Measured on the GPT-2-like benchmark model (tools/bench_training.py's models): see the
 figures in this pass's test module docstring and the closing note of the issue.
 
-Matched (anything else is left alone): the constants within 1e-4 relative of their exact
-values (1e-3 in float16, 8e-3 in bfloat16), one element each, of a rank at most x's (a larger
+Matched (anything else is left alone): the constants 0.5, 1 and 3 exactly, the irrational ones
+(sqrt 2, sqrt(2 / pi), 0.044715) within 1e-4 relative of their values (1e-3 in float16, 8e-3 in
+bfloat16), one finite element each, of a rank at most x's (a larger
 one would broadcast the result up), each a Constant node or an initializer that is not a graph
 input and not marked a parameter or buffer (``passes.exports.ClassifyWeightsPass``; a trained
 scalar that happens to hold 0.5 stays a weight); ``x / sqrt 2`` or ``x * (1 / sqrt 2)``; the cube as ``Pow(x, 3)``,
@@ -48,6 +49,8 @@ from passes.kernels._graph import (
 # sqrt(2) by 1.1e-4 relative, bfloat16 by up to 3.9e-3).
 _RTOL = {ir.DataType.FLOAT16: 1e-3, ir.DataType.BFLOAT16: 8e-3}
 _DEFAULT_RTOL = 1e-4
+# Constants every float type holds exactly: matched only when equal (Pow(x, 3.0003) is not a cube).
+_EXACT = frozenset({0.5, 1.0, 3.0})
 _NOT_CONSTANT_KINDS = ("parameter", "buffer")
 _TANH_K = math.sqrt(2.0 / math.pi)
 _TANH_A = 0.044715
@@ -107,7 +110,8 @@ class _Match:
         if found is None:
             return False
         got, rank, dtype = found
-        if abs(got - target) > _RTOL.get(dtype, _DEFAULT_RTOL) * abs(target):  # type: ignore[arg-type]
+        tolerance = 0.0 if target in _EXACT else _RTOL.get(dtype, _DEFAULT_RTOL) * abs(target)  # type: ignore[arg-type]
+        if not abs(got - target) <= tolerance:  # NaN is never near
             return False
         self.const_rank = max(self.const_rank, rank)
         return True

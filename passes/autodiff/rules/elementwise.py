@@ -171,16 +171,24 @@ def _prelu(b, n, g):
     return [dx, dslope]
 
 
+# |x| beyond which the tanh GELU's derivative is 0 or 1 in every float type (gelu_derivative).
+_TANH_GELU_CLIP = 20.0
+
+
 def gelu_derivative(b, x, approximate: str):
     """d Gelu(x) / dx from ``x`` alone, in few passes over it (a fused Gelu keeps only ``x``).
 
     tanh: with ``t = tanh(k (x + a x^3))``, ``0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 a x^2)``
-    is written ``(1 + t) (0.5 + x (1 - t) (0.5 k + 1.5 k a x^2))`` (``1 - t^2 = (1 - t)(1 + t)``):
-    14 nodes. erf: ``Phi(x) + x phi(x)`` with ``u = x / sqrt 2`` shared by the Erf and the
-    Gaussian ``exp(-u^2)``: 10 nodes.
+    is written ``(1 + t) (0.5 + x (1 - t) (0.5 k + 1.5 k a x^2))`` (``1 - t^2 = (1 - t)(1 + t)``)
+    on ``x`` clipped to [-20, 20]: 15 nodes. Beyond 20 the derivative is its limit, 0 or 1, to
+    float64 precision (``t`` rounds to -1 or 1 from ``|x| ~ 6``), and the clip keeps ``x^2`` and
+    the product finite in float16 (unclipped, ``x^2`` overflows from 256 and ``0 * inf`` made the
+    gradient NaN from ``x ~ -86``). erf: ``Phi(x) + x phi(x)`` with ``u = x / sqrt 2`` shared by
+    the Erf and the Gaussian ``exp(-u^2)`` (``exp(-inf) = 0``: finite everywhere): 10 nodes.
     """
     if approximate == "tanh":
         k, a = math.sqrt(2.0 / math.pi), 0.044715
+        x = b.Clip(x, -_TANH_GELU_CLIP, _TANH_GELU_CLIP, _like=x)
         x2 = x * x
         t = b.Tanh(x * (x2 * (k * a) + k))
         slope = x2 * (1.5 * k * a) + 0.5 * k
