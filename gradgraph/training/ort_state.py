@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import sys
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,6 +47,8 @@ class StateStore:
         self.device_id = device_id
         self.values: dict[str, ort.OrtValue] = {}
         self._spares: dict[str, ort.OrtValue] = {}
+        # Runners whose kept IOBindings hold this store's OrtValues: told when one is replaced.
+        self._runners: weakref.WeakSet[GraphRunner] = weakref.WeakSet()
 
     def __contains__(self, name: str) -> bool:
         return name in self.values
@@ -56,6 +60,11 @@ class StateStore:
         array = np.array(array, order="C", copy=None)
         self.values[name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
         self._spares.pop(name, None)
+        for runner in self._runners:  # their bindings would keep the replaced value alive
+            runner.forget_bindings()
+
+    def watch(self, runner: GraphRunner) -> None:
+        self._runners.add(runner)
 
     def get(self, name: str) -> np.ndarray:
         return np.array(self.values[name].numpy(), copy=True)
@@ -156,27 +165,20 @@ class GraphRunner:
         self._inputs = self.session.get_inputs()
         self._not_fed = set(self.held_inputs + self.internal)
         # IOBindings with the held inputs and the update outputs bound, by the identity of the
-        # OrtValues bound and the fetches (see _binding).
+        # OrtValues bound and the fetches (see _kept_binding); the lock keeps them to one run at
+        # a time (a concurrent run makes a binding of its own).
         self._bindings: dict[tuple[Any, ...], tuple[tuple[ort.OrtValue, ...], ort.IOBinding]] = {}
+        self._lock = threading.Lock()
+        # What a kept binding holds for each feed between runs instead of the user's array.
+        self._placeholders: dict[str, np.ndarray] = {name: np.empty((0,), NP_OF_ORT.get(self.input_types[name], np.float32))
+                              for name in self.feed_names}
 
-    def _binding(self, store: StateStore, bound: Sequence[str]) -> ort.IOBinding:
-        """An IOBinding with the store's current values bound as the held inputs, its spares as
-        the update outputs and ``bound`` as outputs: made once per state of the store and kept.
-
-        Binding ~20-40 OrtValues and wrapping them back as outputs cost ~0.3 ms a step, a tenth
-        of the MLP benchmark's step: the store alternates between two states (values and spares
-        swapped), so two bindings serve every step. The key holds the bound OrtValues
-        themselves: a value replaced in the store (load_state_dict) misses, and no freed value's
-        id can be taken by a new one while its binding is kept. At most two are kept, so a
-        replaced state is released by the next two steps."""
-        values = tuple(store.values[n] for n in self.held_inputs)
-        spares = tuple(store.spare(n) for n in self.updates)
-        key = (tuple(map(id, values)), tuple(map(id, spares)), tuple(bound))
-        entry = self._bindings.get(key)
-        if entry is not None:
-            return entry[1]
-        if len(self._bindings) >= 2:
+    def forget_bindings(self) -> None:
+        with self._lock:
             self._bindings.clear()
+
+    def _new_binding(self, values: Sequence[ort.OrtValue], spares: Sequence[ort.OrtValue],
+                     bound: Sequence[str]) -> ort.IOBinding:
         binding = self.session.io_binding()
         for name, value in zip(self.held_inputs, values, strict=True):
             binding.bind_ortvalue_input(name, value)
@@ -184,6 +186,29 @@ class GraphRunner:
             binding.bind_ortvalue_output(out, value)
         for name in bound:
             binding.bind_output(name, "cpu")
+        return binding
+
+    def _kept_binding(self, store: StateStore, bound: Sequence[str]) -> ort.IOBinding:
+        """An IOBinding with the store's current values bound as the held inputs, its spares as
+        the update outputs and ``bound`` as outputs: made once per state of the store and kept.
+
+        Binding ~20-40 OrtValues and wrapping them back as outputs cost ~0.1 ms a step on the
+        MLP benchmark: the store alternates between two states (values and spares swapped), so
+        two bindings serve every step. The key holds the bound OrtValues themselves, so no freed
+        value's id can be taken by a new one while its binding is kept; the store drops them all
+        when it replaces a value (``StateStore.set``: a loaded state, ZeRO-1's gathered weights
+        or a buffer replaced every step), so they never keep a replaced value alive. Between
+        runs a kept binding holds neither the feeds nor the fetched outputs (see _run)."""
+        values = tuple(store.values[n] for n in self.held_inputs)
+        spares = tuple(store.spare(n) for n in self.updates)
+        key = (tuple(map(id, values)), tuple(map(id, spares)), tuple(bound))
+        entry = self._bindings.get(key)
+        if entry is not None:
+            return entry[1]
+        if len(self._bindings) >= 2:  # a third state of the same values (other fetches)
+            self._bindings.clear()
+        store.watch(self)
+        binding = self._new_binding(values, spares, bound)
         self._bindings[key] = (values + spares, binding)
         return binding
 
@@ -197,9 +222,19 @@ class GraphRunner:
         bound = list(fetches)
         if self.select_on is not None and self.select_on not in bound:
             bound.append(self.select_on)
-        binding = self._binding(store, bound)
+        if not self._lock.acquire(blocking=False):  # another thread is running this graph
+            values = [store.values[n] for n in self.held_inputs]
+            spares = [store.spare(n) for n in self.updates]
+            return self._run(store, feeds, fetches, bound, self._new_binding(values, spares, bound), False)
+        try:
+            return self._run(store, feeds, fetches, bound, self._kept_binding(store, bound), True)
+        finally:
+            self._lock.release()
+
+    def _run(self, store: StateStore, feeds: Mapping[str, Any], fetches: Sequence[str],
+             bound: Sequence[str], binding: ort.IOBinding, kept_binding: bool) -> dict[str, np.ndarray]:
         kept = []  # host arrays must outlive the run
-        for name in self.feed_names:  # every feed is bound again: a kept binding holds the last
+        for name in self.feed_names:
             value = feeds[name]
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
@@ -207,17 +242,21 @@ class GraphRunner:
             array = np.array(value, dtype=NP_OF_ORT.get(self.input_types[name]), order="C", copy=None)
             kept.append(array)
             binding.bind_cpu_input(name, array)
-        # Outputs bound to a device keep the OrtValue of the last run, which onnxruntime would
-        # write into again (the arrays returned last step share its memory): bound afresh.
-        for name in bound:
-            binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding)
-        # The C++ binding's outputs, not IOBinding.get_outputs(), which wraps every output (the
-        # updated weights and state too) in a Python OrtValue: ~0.2 ms a step on the MLP.
-        native = getattr(binding, "_iobinding", None)
-        results = native.get_outputs() if native is not None else binding.get_outputs()
-        first = len(self.updates)
-        arrays = {name: results[first + i].numpy() for i, name in enumerate(bound)}
+        try:
+            self.session.run_with_iobinding(binding)
+            # The C++ binding's outputs, not IOBinding.get_outputs(), which wraps every output
+            # (the updated weights and state too) in a Python OrtValue.
+            native = getattr(binding, "_iobinding", None)
+            results = native.get_outputs() if native is not None else binding.get_outputs()
+            first = len(self.updates)
+            arrays = {name: results[first + i].numpy() for i, name in enumerate(bound)}
+        finally:
+            if kept_binding:  # let go of this run's feeds and outputs (the arrays share memory
+                # with the outputs: onnxruntime would write the next run into them)
+                for name, placeholder in self._placeholders.items():
+                    binding.bind_cpu_input(name, placeholder)
+                for name in bound:
+                    binding.bind_output(name, "cpu")
         taken = self.select_on is None or bool(arrays[self.select_on])
         for name in self.updates:
             if taken or name not in self.conditional:
