@@ -56,6 +56,10 @@ def assert_split_exact(model: ir.Model, feeds: dict[str, np.ndarray]) -> None:
                for n in split.backward.graph)
     # no view's output is stashed: onnxruntime copies a view that is a graph output
     producers = {v.name: n for n in split.forward.graph for v in n.outputs}
+    # and no view is left in the forward that nothing there reads (one read by a replayed view)
+    forward_outputs = {v.name for v in split.forward.graph.outputs}
+    assert all(v.uses() or v.name in forward_outputs
+               for n in split.forward.graph if n.op_type in VIEW_OPS for v in n.outputs)
     assert not any(producers[name].op_type in VIEW_OPS for name in split.stashed if name in producers)
     assert split.forward.graph.metadata_props[SPLIT_KEY] == "forward"
     # the stash is at most what the analysis counts (a Shape-only read stashes the shape)

@@ -149,11 +149,17 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
     _fill_shape_only_shapes(proto, {v.name for v in crossing})
     forward = ir.from_proto(proto)
     backward = ir.from_proto(proto)
-    forward_ids = {id(n) for n, b in zip(nodes, sides) if not b and id(n) not in dead}
-    # a replayed view stays in the forward only where a forward node or a user output reads it
-    needed_in_forward = {i for i in replayed if any(
-        id(v) in graph_outputs or any(id(r) in forward_ids for r in _readers(v, owners))
-        for v in nodes[i].outputs)}
+    # A replayed view stays in the forward only where a user output or a node the forward keeps
+    # reads it (a view read by another replayed view only is not: readers come later, so in
+    # reverse order each view's readers are decided before it).
+    kept_ids = {id(n) for i, (n, b) in enumerate(zip(nodes, sides))
+                if not b and id(n) not in dead and i not in replayed}
+    needed_in_forward: set[int] = set()
+    for i in sorted(replayed, reverse=True):
+        if any(id(v) in graph_outputs or any(id(r) in kept_ids for r in _readers(v, owners))
+               for v in nodes[i].outputs):
+            needed_in_forward.add(i)
+            kept_ids.add(id(nodes[i]))
     keep_in_forward = {i for i, (n, b) in enumerate(zip(nodes, sides)) if not b and id(n) not in dead
                        and (i not in replayed or i in needed_in_forward)}
     keep_in_backward = {i for i, b in enumerate(sides) if b} | copied_constants | replayed
