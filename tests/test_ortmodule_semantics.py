@@ -650,6 +650,35 @@ def test_outputs_that_no_trained_value_reaches_do_not_require_grad():
         _close(g.float(), w.float())
 
 
+
+def test_a_float_output_beside_the_trained_one_that_needs_no_gradient(capfd):
+    """Statistics of the input, a constant and a metric returned beside the Linear's output:
+    their gradients are unread by the backward (it failed on their unknown seed inputs), they
+    require no grad (only the last of them was marked), and nothing is printed (onnx_ir logged
+    a warning about the constant)."""
+    class WithStat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h, x.sum(), torch.ones(3), (h > 0).float().mean(), x.mean(0) * 2.0
+
+    torch.manual_seed(0)
+    model, x = WithStat(), torch.randn(2, 3)
+    wrapped = ORTModule(copy.deepcopy(model), fallback="raise")
+    got, want = wrapped(x), model(x)
+    for g, w in zip(got, want, strict=True):
+        assert g.requires_grad == w.requires_grad
+        _close(g, w)
+    got[0].square().sum().backward()
+    want[0].square().sum().backward()
+    for p, q in zip(wrapped.parameters(), model.parameters(), strict=True):
+        _close(p.grad, q.grad)
+    assert "deduplication" not in capfd.readouterr().err
+
+
 class Scaled(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -222,6 +222,12 @@ def _optimized(model: ir.Model) -> ir.Model:
     """onnxscript's optimizer on ``model``, or ``model`` as it was where the result is not a
     valid ONNX model (seen on TorchScript exports of T5: a Reshape reading a shape no node makes)."""
     before = ir.to_proto(model)
+    # onnx_ir's passes log warnings through the logging module (the initializer deduplication:
+    # "Skipped deduplication of initializer ... as it is a graph input or output", for a
+    # constant the module returns): facts about a graph the user never wrote, not printed
+    quiet = logging.getLogger("onnx_ir")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         result = onnxscript.optimizer.optimize(model)
         onnx.checker.check_model(ir.to_proto(result))
@@ -230,6 +236,8 @@ def _optimized(model: ir.Model) -> ir.Model:
         logger.info("ORTModule: onnxscript's optimizer gave an invalid graph (%s); its input is used",
                     str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
         return ir.from_proto(before)
+    finally:
+        quiet.setLevel(level)
 
 
 def _tf32(device: torch.device) -> bool:
@@ -443,6 +451,7 @@ class GraphRunner:
             self._run_backward = _SessionRun(self.backward, run_options)
             self.bwd_inputs = [i.name for i in self.backward.get_inputs()]
             self.bwd_outputs = [o.name for o in self.backward.get_outputs()]
+        self._seed_outputs = {seed: name for name, seed in self.seeds.items()}
 
     def run_forward(self, values: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
         outs = self._run_forward(self.fwd_outputs, {k: v for k, v in values.items() if k in self.fwd_inputs})
@@ -458,9 +467,14 @@ class GraphRunner:
         """Gradients by differentiated name; ``grad_outputs`` by user output name."""
         if self.backward is None:  # no differentiable value reaches an output: torch's None gradients
             return {}
-        feeds = {self.seeds[name]: g for name, g in grad_outputs.items() if name in self.seeds}
+        # the backward reads the gradient of the outputs that depend on a differentiated value
+        # only (an output computed from inputs that need no gradient leaves its seed unread)
+        feeds = {}
         for name in self.bwd_inputs:
-            if name not in feeds:
+            seed_of = self._seed_outputs.get(name)
+            if seed_of is not None:
+                feeds[name] = grad_outputs[seed_of]
+            else:
                 feeds[name] = kept[name] if name in kept else values[name]
         assert self._run_backward is not None  # built with the backward session
         outs = dict(zip(self.bwd_outputs, self._run_backward(self.bwd_outputs, feeds)))
@@ -810,9 +824,9 @@ class _Function(torch.autograd.Function):
         ctx.runner, ctx.saved_names = runner, saved_names
         ctx.devices = devices
         ctx.shapes = [(r.shape, r.dtype) for r in results]
-        for name, r in zip(runner.user_outputs, results):
-            if not r.is_floating_point() or name in runner.detached:
-                ctx.mark_non_differentiable(r)
+        # one call: each call of mark_non_differentiable replaces the previous one's tensors
+        ctx.mark_non_differentiable(*(r for name, r in zip(runner.user_outputs, results)
+                                      if not r.is_floating_point() or name in runner.detached))
         return results
 
     @staticmethod
