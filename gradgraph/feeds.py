@@ -37,6 +37,7 @@ def check_feeds(inputs: Iterable[ort.NodeArg], feeds: Mapping[str, Any], source:
     if missing:
         raise InputError(f"model input(s) {missing} missing from {source}; the model needs "
                          f"{[i.name for i in expected]} (got {sorted(feeds)})")
+    named: dict[str, tuple[str, int, int]] = {}  # dim_param -> (input, axis, size) first seen
     for arg in expected:
         value = feeds[arg.name]
         if isinstance(value, ort.OrtValue):
@@ -56,6 +57,14 @@ def check_feeds(inputs: Iterable[ort.NodeArg], feeds: Mapping[str, Any], source:
             if isinstance(dim, int) and dim >= 0 and got != dim:
                 raise InputError(f"input {arg.name!r} from {source} has shape {list(array.shape)}; "
                                  f"dimension {axis} must be {dim} (model input shape {shape})")
+            if isinstance(dim, str) and dim:  # a named dimension: one size for every input
+                first = named.setdefault(dim, (arg.name, axis, got))
+                if first[2] != got:
+                    raise InputError(
+                        f"inputs {first[0]!r} and {arg.name!r} from {source} disagree on dimension "
+                        f"{dim!r}: {first[2]} (axis {first[1]} of {first[0]!r}, shape "
+                        f"{list(np.shape(feeds[first[0]]))}) vs {got} (axis {axis} of {arg.name!r}, "
+                        f"shape {list(array.shape)}); the model gives both the same size")
 
 
 def load_npz(path: str, what: str = "inputs file") -> dict[str, np.ndarray]:

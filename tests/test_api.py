@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import parser
+from onnx import TensorProto, helper, parser
 
 import gradgraph
 from gradgraph.cli.main import main as cli_main
@@ -301,3 +301,23 @@ def test_omit_unused_leaves_names_off_the_loss_path_without_a_gradient_output():
     assert not {"hi_grad", "lo_grad"} & {o.name for o in omitted.graph.output}
     x = {"x": np.arange(6, dtype=np.float32).reshape(2, 3) / 4}
     np.testing.assert_array_equal(_run(omitted, x, ["W_grad"])[0], _run(plain, x, ["W_grad"])[0])
+
+
+def test_feeds_that_disagree_on_a_named_dimension_are_named() -> None:
+    """Inputs sharing a dimension name (the batch) get one size: feeds that disagree are an
+    InputError naming both inputs and the dimension, not onnxruntime's error from a node deep in
+    the training graph (a Gather out of bounds, a broadcast that fails)."""
+
+    from gradgraph.feeds import InputError, check_feeds
+
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x"], ["sx"], keepdims=0), helper.make_node("ReduceSum", ["y"], ["sy"], keepdims=0),
+         helper.make_node("Add", ["sx", "sy"], ["s"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 5]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", None])],
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    inputs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).get_inputs()
+    check_feeds(inputs, {"x": np.zeros((3, 5), np.float32), "y": np.zeros((3, 7), np.float32)})
+    with pytest.raises(InputError, match=r"'x' and 'y' .* disagree on dimension 'batch': 3 .* vs 4"):
+        check_feeds(inputs, {"x": np.zeros((3, 5), np.float32), "y": np.zeros((4, 7), np.float32)})
