@@ -165,6 +165,7 @@ class CheckReport(Sequence[CheckRow]):
     atol: float
     loss_value: float
     low_precision: str | None = None  # "float16" / "bfloat16" when the model computes in it
+    notes: tuple[str, ...] = ()  # what the check changed in the model to compare it (Dropout off)
 
     @overload
     def __getitem__(self, index: int) -> CheckRow: ...
@@ -557,6 +558,7 @@ def gradcheck(
         # as build_gradient_graph: folded parameters are refused only for the default trained set
         prepare = PrepareForGradientPass(strict_parameters=weights is None)
         prepared = prepare(load_model(model)).model
+        notes = _without_random_draws(prepared, model_desc)
         forward = ir.to_proto(ReduceLossPass(loss, loss_reduction)(prepared).model)
         grad_model = build_gradient_graph(forward, loss, weights)
     except PassError as exc:
@@ -587,10 +589,43 @@ def gradcheck(
 
     where = ("at the inputs given" if inputs is not None else
              f"at random inputs (standard normal floats, integers 0 or 1, seed {seed})")
-    return compare_with_central_differences(
+    report = compare_with_central_differences(
         forward, loss, {w: analytic[g] for g, w in zip(grad_names, trained)}, feeds, eps=eps,
         rtol=rtol, atol=atol, max_elements=max_elements, seed=seed, model_desc=model_desc,
         inputs_text=where)
+    return dataclasses.replace(report, notes=tuple(notes))
+
+
+_RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
+                         "Bernoulli", "Multinomial"})
+
+
+def _without_random_draws(model: ir.Model, model_desc: str) -> list[str]:
+    """Training-mode Dropouts of ``model`` switched off (inference Dropout, the identity), with a
+    note naming them: each run of the loss would draw new masks, and differences of the loss
+    would measure the masks, not the gradient (every entry looked like a kink). Any other op
+    that draws random numbers is refused: its draws cannot be held fixed here."""
+    dropouts = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in _RANDOM_OPS:
+            raise GradientError(
+                f"cannot check {model_desc}: node {node.name!r} ({node.op_type}) draws random "
+                "numbers, so the loss changes from run to run and differences of it say nothing "
+                "about the gradient; feed the random values as an input to check this model",
+                op_type=node.op_type)
+        if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2] is not None:
+            training = node.inputs[2].const_value
+            if training is not None and not bool(training.numpy()):
+                continue
+            node.resize_inputs(2)
+            dropouts.append(node.name or node.outputs[0].name)
+    if not dropouts:
+        return []
+    shown = ", ".join(repr(n) for n in dropouts[:3]) + (f" and {len(dropouts) - 3} more" if len(dropouts) > 3 else "")
+    return [f"checked with Dropout off ({shown}): a training-mode Dropout draws a new mask at "
+            "each run, so differences of the loss could not be compared"]
 
 
 def compare_with_central_differences(

@@ -682,3 +682,42 @@ def test_check_reduces_a_non_scalar_loss_as_grad_does(tmp_path, capsys, reductio
     assert _table(out)["w"][0] == "12" and "1 passed, 0 failed" in out
     report = gradcheck(str(path), "loss", loss_reduction=reduction)
     assert report.ok and [r.name for r in report] == ["w"]
+
+
+_DROPOUT = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[4, 3] x) => (float loss) <float[3, 5] w = {PLACEHOLDER}, float ratio = {0.3}, bool train = {1}> {
+    h = MatMul(x, w)
+    t = Tanh(h)
+    d, m = Dropout(t, ratio, train)
+    loss = ReduceSum(d)
+}
+"""
+
+
+def test_a_training_dropout_is_checked_off_and_said_so(tmp_path, capsys):
+    """Each run of a training-mode Dropout draws a new mask: the check switches it off and says
+    so (it reported every entry as a kink and nothing compared)."""
+    w = np.linspace(-1, 1, 15).reshape(3, 5).astype(np.float32)
+    text = _DROPOUT.replace("{PLACEHOLDER}", "{" + ", ".join(map(str, w.ravel())) + "}")
+    path = tmp_path / "drop.onnx"
+    onnx.save(parser.parse_model(text), path)
+    report = gradcheck(str(path), "loss")
+    assert report.ok and all(r.checked for r in report) and len(report.notes) == 1
+    assert "Dropout off" in report.notes[0]
+    code, out, _ = _cli(capsys, str(path), "--loss", "loss")
+    assert code == 0 and "note: checked with Dropout off" in out
+
+
+def test_other_random_draws_are_refused_by_name(tmp_path):
+    model = parser.parse_model("""
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[4, 3] x) => (float loss) <float[3] w = {1.0, 2.0, 3.0}> {
+    n = RandomNormalLike(x)
+    y = Add(x, n)
+    z = Mul(y, w)
+    loss = ReduceSum(z)
+}
+""")
+    with pytest.raises(GradientError, match=r"RandomNormalLike\) draws random numbers"):
+        gradcheck(model, "loss")

@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         errs = [f"{e:>11.3e}" if r.checked else f"{'-':>11}" for e in (r.max_abs_err, r.max_rel_err)]
         print(f"{r.name:<{width}}  {r.checked:>7}  {errs[0]}  {errs[1]}  {r.result_text}")
     print(f"oracle: {report.oracle_text}")
+    for note in report.notes:
+        print(f"note: {note}")
     counts = f"{len(report.passed)} passed, {len(report.failed)} failed"
     if report.skipped:
         counts += f", {len(report.skipped)} skipped"
