@@ -241,3 +241,26 @@ def test_cli_nproc_user_errors_and_divergence_exit_like_one_process(tmp_path):
                           timeout=300)
     assert done.returncode == 3, done.stderr[-3000:]
     assert "steps in a row" in done.stderr
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_cli_nproc_errors_of_a_rank_are_one_line_each(tmp_path):
+    """fp16 with data parallelism is refused before any rank starts; a label out of range in
+    rank 1's rows is named by rank 1 (rank 0 only saw the all-reduce fail), no traceback (torchrun's
+    ChildFailedError report came after the ranks' lines)."""
+    fp16 = subprocess.run([*_cli(tmp_path / "fp16", 2, 16), "--mixed-precision", "float16"], env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert fp16.returncode == 2 and fp16.stderr.count("not implemented yet") == 1, fp16.stderr[-2000:]
+    assert "Traceback" not in fp16.stderr
+    data = dict(np.load(EXAMPLES / "mlp_data.npz"))
+    labels = next(k for k, v in data.items() if v.dtype.kind == "i")
+    data[labels] = data[labels].copy()
+    data[labels][1] = 10**6  # global micro-batch 0 with batch 1 per rank: rank 1's row
+    np.savez(tmp_path / "bad.npz", **data)
+    command = _cli(tmp_path / "bad", 2, 1)  # --batch-size is per rank: rank r reads row r first
+    command[command.index("--data") + 1] = str(tmp_path / "bad.npz")
+    bad = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=180)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "error: rank 1: data file" in bad.stderr, bad.stderr[-3000:]
+    assert "Traceback" not in bad.stderr and "ChildFailedError" not in bad.stderr, bad.stderr[-3000:]

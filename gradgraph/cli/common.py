@@ -36,8 +36,10 @@ STATUS_FILE_ENV = "GRADGRAPH_RANK0_STATUS"
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed sub-command; user mistakes print one line and return 2, gradgraph's
     warnings one line each."""
-    # a data-parallel rank other than 0 leaves the messages to rank 0 (they would repeat)
-    quiet = os.environ.get("RANK", "0") != "0"
+    # a data-parallel rank other than 0 leaves warnings and collective failures to rank 0 (they
+    # would repeat); its own error (its rows' bad label) is its own: printed, with its rank
+    rank = os.environ.get("RANK", "0")
+    quiet = rank != "0"
 
     def one_line(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
         if not quiet:
@@ -48,8 +50,12 @@ def run_command(args: argparse.Namespace) -> int:
             warnings.showwarning = one_line
             status = int(args.func(args) or 0)
     except (GradientError, InputError, CheckpointError) as exc:
+        from gradgraph.training.distributed import DistributedError
+
         if not quiet:
             print(f"gradgraph {args.command}: error: {exc}", file=sys.stderr)
+        elif not isinstance(exc, DistributedError):
+            print(f"gradgraph {args.command}: error: rank {rank}: {exc}", file=sys.stderr)
         status = EXIT_USER_ERROR
     except OSError as exc:  # any errno: ENOENT, EACCES, EIO, ENOSPC, EROFS, ENAMETOOLONG, ...
         if not quiet:

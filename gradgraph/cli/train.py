@@ -207,7 +207,7 @@ def _launch_ranks(args: argparse.Namespace) -> int:
             next(rest, None)
         elif not item.startswith("--nproc="):
             argv.append(item)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    command = [sys.executable, "-m", "gradgraph.cli.launch", "--standalone",
                f"--nproc-per-node={args.nproc}", "--module", "gradgraph", *argv]
     env = dict(os.environ)
     # each rank gets its share of the cores (onnxruntime's threads; torch's for the all-reduce)
@@ -302,6 +302,10 @@ def run(args: argparse.Namespace) -> int:
         return list_weights(args)
     _validate(args)
     rank, world = _world(args)
+    if (world > 1 or args.nproc > 1) and args.mixed_precision == "float16":
+        raise InputError("--mixed-precision float16 with data-parallel training (--nproc or torchrun) "
+                         "is not implemented yet (its loss scale would have to agree across ranks): "
+                         "use --mixed-precision bfloat16, or float32")
     ckpt_dir = _checkpoint_dir(args, rank)
     data = load_npz(args.data, "data file")
     if args.nproc > 1 and world == 1:
