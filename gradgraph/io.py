@@ -88,12 +88,41 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
     try:
         proto = onnx.load(str(path))
     except Exception as exc:  # noqa: BLE001
+        missing = _missing_external_data(path)
+        if missing:
+            raise GradientError(
+                f"model file {str(path)!r} keeps its weights in external data file(s) {missing}, "
+                f"missing from {str(path.parent.resolve())!r}: copy them beside the model (an "
+                "export's .onnx.data file travels with its .onnx)") from exc
         raise GradientError(
             f"model file {str(path)!r} is not a valid ONNX model: {type(exc).__name__}: {exc}"
         ) from exc
     if not proto.graph.node and not proto.graph.output:
         raise GradientError(f"model file {str(path)!r} holds no graph (is it an ONNX model?)")
     return _from_proto(proto, f"model file {str(path)!r}")
+
+
+def _missing_external_data(path: Path) -> list[str]:
+    """The external data files ``path``'s tensors name that are not beside it (none if the
+    file does not even parse without them)."""
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not an ONNX model at all: the caller's message
+        return []
+    tensors: list[onnx.TensorProto] = []
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        tensors.extend(graph.initializer)
+        for node in graph.node:
+            for attr in node.attribute:
+                tensors.extend([attr.t] if attr.HasField("t") else [])
+                tensors.extend(attr.tensors)
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+    locations = {entry.value for tensor in tensors if tensor.data_location == onnx.TensorProto.EXTERNAL
+                 for entry in tensor.external_data if entry.key == "location"}
+    return sorted(loc for loc in locations if not (path.parent / loc).is_file())
 
 
 TEMP_SUFFIX = ".tmp"

@@ -159,6 +159,16 @@ def test_malformed_and_missing_files(tmp_path):
         gradgraph.build_gradient_graph(bad, "loss")
     with pytest.raises(gradgraph.GradientError, match="does not exist"):
         gradgraph.build_gradient_graph(tmp_path / "missing.onnx", "loss")
+    # a model whose external data file did not travel with it: the file is named
+    (tmp_path / "moved").mkdir()
+    model = parser.parse_model(LINEAR)
+    for init in model.graph.initializer:  # raw data, which onnx moves to the external file
+        init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init), init.name))
+    onnx.save(model, tmp_path / "ext.onnx", save_as_external_data=True,
+              all_tensors_to_one_file=True, location="ext.onnx.data", size_threshold=0)
+    (tmp_path / "ext.onnx").rename(tmp_path / "moved" / "ext.onnx")
+    with pytest.raises(gradgraph.GradientError, match=r"external data file\(s\) \['ext.onnx.data'\]"):
+        gradgraph.build_gradient_graph(tmp_path / "moved" / "ext.onnx", "loss")
 
 
 def test_reference_compatible_builder(tmp_path):

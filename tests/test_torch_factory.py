@@ -71,6 +71,11 @@ def test_output_names_select_outputs_and_bad_names_are_errors():
         TorchOrtFactory(_model(), "zeta_w1")  # a string where a list belongs
     with pytest.raises(TypeError, match="takes 2 tensors"):
         cls.apply(torch.ones(5, 4))
+    # a feed of another dtype: named, with the dtype the graph takes (onnxruntime's error named neither)
+    with pytest.raises(TypeError, match=r"'X' is a torch.float64 tensor; the graph takes torch.float32"):
+        cls.apply(torch.ones(5, 4, dtype=torch.float64), w)
+    with pytest.raises(TypeError, match=r"'zeta_w1' is a torch.float16 tensor"):
+        cls.apply(torch.ones(5, 4), w.detach().half())
 
 
 def test_run_options_reach_every_run_and_device_index_is_checked():

@@ -43,6 +43,14 @@ from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 logger = logging.getLogger("gradgraph.torch")
 
 
+_TORCH_OF_IR = {
+    ir.DataType.FLOAT: torch.float32, ir.DataType.DOUBLE: torch.float64, ir.DataType.FLOAT16: torch.float16,
+    ir.DataType.BFLOAT16: torch.bfloat16, ir.DataType.INT64: torch.int64, ir.DataType.INT32: torch.int32,
+    ir.DataType.INT16: torch.int16, ir.DataType.INT8: torch.int8, ir.DataType.UINT8: torch.uint8,
+    ir.DataType.BOOL: torch.bool,
+}
+
+
 class TorchOrtFunction(torch.autograd.Function):
     """Ancestor of the classes :meth:`TorchOrtFactory.create_class` makes."""
 
@@ -173,11 +181,18 @@ class TorchOrtFactory:
             logger.info("TorchOrtFactory: %s built; forward outputs %d, backward inputs %d",
                         self.class_name, len(runner.fwd_outputs), len(runner.bwd_inputs))
         n_outputs = len(self.output_names)
+        # the dtype each feed must have (onnxruntime's own error names neither input nor dtype)
+        types = {v.name: v.dtype for v in model.graph.inputs if v.dtype is not None}
+        expected = [_TORCH_OF_IR.get(types[n]) if n in types else None for n in feed_names]
 
         def forward(ctx, *tensors: torch.Tensor) -> Any:
             if len(tensors) != len(feed_names):
                 raise TypeError(f"{self.class_name}.apply takes {len(feed_names)} tensors "
                                 f"({', '.join(feed_names)}), got {len(tensors)}")
+            for name, tensor, dtype in zip(feed_names, tensors, expected, strict=True):
+                if dtype is not None and isinstance(tensor, torch.Tensor) and tensor.dtype != dtype:
+                    raise TypeError(f"{self.class_name}.apply: {name!r} is a {tensor.dtype} tensor; the "
+                                    f"graph takes {dtype} (convert it, e.g. .to({dtype}))")
             outs = apply_runner(runner, tensors)
             return outs[0] if n_outputs == 1 else outs
 
