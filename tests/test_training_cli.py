@@ -130,3 +130,30 @@ def test_bad_pass_flags_are_user_errors(files: tuple[Path, Path], tmp_path: Path
     model, data = files
     assert main(_args(model, data, tmp_path / "bad", 2, "--memory-budget", "-1")) == 2
     assert "memory_budget" in capsys.readouterr().err
+
+
+def test_flags_that_would_do_nothing_are_said_so(files: tuple[Path, Path], tmp_path: Path, capsys) -> None:
+    """A malformed --dim or a --stop-at past --steps is an error; --dim without the recompute
+    planner and --momentum with another optimizer than SGD are warnings (all ran silently)."""
+    model, data = files
+    assert main(_args(model, data, tmp_path / "a", 2, "--dim", "batch=x")) == 2
+    assert "--dim 'batch=x'" in capsys.readouterr().err
+    assert main(_args(model, data, tmp_path / "b", 2, "--stop-at", "5")) == 2
+    assert "--stop-at must be in [0, --steps]" in capsys.readouterr().err
+    assert main(_args(model, data, tmp_path / "c", 2, "--dim", "batch=8", "--momentum", "0.9")) == 0
+    err = capsys.readouterr().err
+    assert "warning: --dim sizes symbolic dimensions for the recompute planner" in err
+    assert "warning: --momentum is SGD's; --optimizer adamw ignores it" in err
+
+
+def test_resume_with_other_settings_names_the_setting(files: tuple[Path, Path], tmp_path: Path, capsys) -> None:
+    model, data = files
+    out = tmp_path / "run"
+    assert main(_args(model, data, out, 2)) == 0
+    capsys.readouterr()
+    assert main([*_args(model, data, out, 4, "--resume"), "--accumulate", "1"]) == 2
+    assert "written with accumulation_steps 2 (CLI --accumulate), the session uses 1" in capsys.readouterr().err
+    frozen = read_checkpoint(out / CHECKPOINT_NAME)[1]["trained"][0]
+    assert main(_args(model, data, out, 4, "--resume", "--freeze", frozen)) == 2
+    assert f"written training other weights (frozen now ['{frozen}'])" in capsys.readouterr().err
+    assert main(_args(model, data, out, 4, "--resume")) == 0

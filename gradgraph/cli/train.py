@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from gradgraph.cli.common import (
     STATUS_FILE_ENV,
     add_list_weights,
     add_pass_arguments,
+    dims_arg,
     list_weights,
     main_for,
     pass_groups,
@@ -141,7 +143,13 @@ def _validate(args: argparse.Namespace) -> None:
     need(0 <= args.warmup_steps <= args.steps, "--warmup-steps", "in [0, --steps]")
     need(args.checkpoint_every >= 0, "--checkpoint-every", "an integer >= 0")
     need(args.max_skipped >= 1, "--max-skipped", "a positive integer")
-    need(args.stop_at is None or args.stop_at >= 0, "--stop-at", "an integer >= 0")
+    need(args.stop_at is None or 0 <= args.stop_at <= args.steps, "--stop-at", "in [0, --steps]")
+    dims_arg(args.dim)  # a malformed --dim is an error whatever else is given
+    if args.dim and not args.recompute and args.memory_budget is None:
+        warnings.warn("--dim sizes symbolic dimensions for the recompute planner (--recompute, "
+                      "--memory-budget); without them it changes nothing", stacklevel=2)
+    if args.momentum and args.optimizer != "sgd":
+        warnings.warn(f"--momentum is SGD's; --optimizer {args.optimizer} ignores it", stacklevel=2)
     if args.resume and args.checkpoint_dir is None:
         raise InputError("--resume needs --checkpoint-dir (the folder holding " + CHECKPOINT_NAME + ")")
 

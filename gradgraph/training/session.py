@@ -345,7 +345,8 @@ class TrainingSession:
                 "optimizer": self.config.optimizer.name,
                 "accumulation_steps": self.config.update.accumulation_steps,
                 "skipped_steps": self.skipped_steps,
-                "model": self.artifacts.params, "user": dict(user_dict or {})}
+                "model": self.artifacts.params, "trained": list(self.artifacts.trained),
+                "user": dict(user_dict or {})}
         write_checkpoint(path, state, meta)
 
     def load_checkpoint(self, path: str | os.PathLike | Sequence[str | os.PathLike],
@@ -370,6 +371,8 @@ class TrainingSession:
         if strict and meta.get("optimizer") != self.config.optimizer.name:
             raise CheckpointError(f"{where} was written with optimizer "
                                   f"{meta.get('optimizer')!r}, the session uses {self.config.optimizer.name!r}")
+        if strict:
+            self._check_settings(meta, where)
         step = tensors.get(self.names.step)
         if step is not None and np.asarray(step).size == 1 and "step" in meta \
                 and int(np.asarray(step).reshape(-1)[0]) != meta["step"]:
@@ -386,6 +389,23 @@ class TrainingSession:
         skipped = meta.get("skipped_steps", 0)
         self.skipped_steps = skipped if isinstance(skipped, int) and skipped >= 0 else 0
         return dict(meta.get("user", {}))
+
+    def _check_settings(self, meta: Mapping[str, Any], where: str) -> None:
+        """A strict load: the settings the checkpoint's state depends on are the session's
+        (the tensors would differ anyway; this says which setting, not which tensors)."""
+        steps = meta.get("accumulation_steps")
+        ours = self.config.update.accumulation_steps
+        if isinstance(steps, int) and steps != ours:
+            raise CheckpointError(f"{where} was written with accumulation_steps {steps} (CLI "
+                                  f"--accumulate), the session uses {ours}: train with the same")
+        trained = meta.get("trained")
+        if isinstance(trained, list) and sorted(trained) != sorted(self.artifacts.trained):
+            now, then = set(self.artifacts.trained), set(trained)
+            parts = [f"{label} {sorted(names)[:5]}{' ...' if len(names) > 5 else ''}"
+                     for label, names in (("frozen now", then - now), ("trained now, not then", now - then))
+                     if names]
+            raise CheckpointError(f"{where} was written training other weights ({'; '.join(parts)}): "
+                                  "train the same set (CLI --freeze, weights_to_train)")
 
     def _check_overlap(self, tensors: Mapping[str, Any], where: str) -> str | None:
         """strict=False: refuse a checkpoint sharing no weight or optimizer state with the
