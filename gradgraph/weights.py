@@ -38,20 +38,24 @@ def list_weights(model: Any, loss: str | None = None) -> list[WeightInfo]:
         reaching = set(build_gradient(ir.from_proto(ir.to_proto(forward)), loss, None,
                                       GradientOptions(allow_unused=True)))
     rows = []
+    lost = list(filter(None, forward.graph.metadata_props.get(LOST_KEY, "").split(",")))
+    folded = f"folded into other constants by the exporter; {REEXPORT_HINT}"
     for name, value in forward.graph.initializers.items():
         if value.dtype not in FLOATS:
             continue
         kind = value.metadata_props.get(KIND_KEY, WeightKind.PARAMETER.value)
         reason = value.metadata_props.get(REASON_KEY, "")
         trained = kind == WeightKind.PARAMETER.value
-        if trained and reaching is not None and name not in reaching:
+        if name in lost:  # kept its name, holds folded values (Conv+BatchNorm): not the parameter
+            trained, reason = False, folded
+        elif trained and reaching is not None and name not in reaching:
             trained, reason = False, f"{reason}; does not reach loss {loss!r}"
         shape = tuple(d if isinstance(d, int) else -1 for d in value.shape) if value.shape is not None else ()
         nbytes = int(int(np.prod(shape, dtype=np.int64)) * value.dtype.itemsize)
         rows.append(WeightInfo(name, shape, value.dtype.name.lower(), nbytes, kind, trained, reason))
-    for name in filter(None, forward.graph.metadata_props.get(LOST_KEY, "").split(",")):
-        rows.append(WeightInfo(name, (), "?", 0, WeightKind.PARAMETER.value, False,
-                               f"folded into other constants by the exporter; {REEXPORT_HINT}"))
+    for name in lost:
+        if name not in forward.graph.initializers:
+            rows.append(WeightInfo(name, (), "?", 0, WeightKind.PARAMETER.value, False, folded))
     return rows
 
 
@@ -63,8 +67,11 @@ def format_weights(rows: list[WeightInfo]) -> str:
         lines.append(f"{r.name:<{width}}  {str(list(r.shape)):<16} {r.dtype:<8} {r.kind:<9} "
                      f"{'yes' if r.trained else 'no':<7}  {r.reason}")
     trained = [r for r in rows if r.trained]
-    lines.append(f"{len(trained)} trained ({sum(r.nbytes for r in trained):,} bytes) of {len(rows)} "
-                 f"float initializers ({sum(r.nbytes for r in rows):,} bytes)")
+    present = [r for r in rows if r.dtype != "?"]
+    gone = len(rows) - len(present)
+    lines.append(f"{len(trained)} trained ({sum(r.nbytes for r in trained):,} bytes) of {len(present)} "
+                 f"float initializers ({sum(r.nbytes for r in present):,} bytes)"
+                 + (f"; {gone} parameter(s) folded away by the exporter" if gone else ""))
     return "\n".join(lines)
 
 

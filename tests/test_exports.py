@@ -303,3 +303,35 @@ def test_legacy_one_element_bias_is_trained(tmp_path: Path) -> None:
         None, {"x": x.numpy(), "target": target.numpy()})))
     want = module.out.bias.grad.numpy()
     np.testing.assert_allclose(got["out.bias_grad"], want, rtol=RTOL, atol=ATOL)
+
+
+class ConvBNHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc(F.relu(self.bn(self.c1(x))).mean(dim=(2, 3))), y)
+
+
+def test_list_weights_has_one_row_per_parameter_as_grad_sees_it(tmp_path: Path) -> None:
+    """A default dynamo export folds the BatchNorm into the Conv: the Conv's initializers keep
+    their names but hold folded values. One row each, untrained like grad's refusal (they were
+    listed twice: trained as torch parameters, then untrained as folded)."""
+    torch.manual_seed(0)
+    path = tmp_path / "cnn.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(ConvBNHead().train(), (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))), str(path),
+                          input_names=["x", "y"], output_names=["loss"], dynamo=True)
+    rows = gradgraph.list_weights(path, "loss")
+    names = [r.name for r in rows]
+    assert len(names) == len(set(names)), names
+    folded = {r.name for r in rows if "folded" in r.reason}
+    assert {r.name for r in rows if r.trained} == {"fc.weight", "fc.bias"}
+    with pytest.raises(gradgraph.GradientError, match="folded"):
+        gradgraph.build_gradient_graph(path, "loss")
+    assert folded & {"c1.weight", "c1.bias"}, rows
+    gradgraph.build_gradient_graph(path, "loss", ["fc.weight", "fc.bias"])  # what the list offers trains
