@@ -86,6 +86,33 @@ def test_unused_weight_is_an_error_unless_allowed():
     np.testing.assert_array_equal(zero, np.zeros(2, np.float32))
 
 
+TRAIN_BN = """
+<ir_version: 9, opset_import: ["" : 15]>
+g (float[4, 2] x) => (float loss) <float[2] s = {1., 2.}, float[2] b = {0., 1.}, float[2] mean = {0., 0.},
+                                   float[2] var = {1., 1.}> {
+  y, rm, rv = BatchNormalization<training_mode=1>(x, s, b, mean, var)
+  sq = Mul(y, y)
+  loss = ReduceSum<keepdims=0>(sq)
+}
+"""
+
+
+def test_a_weight_the_loss_does_not_depend_on_is_refused_though_connected():
+    """A training-mode BatchNorm's running mean feeds the node whose Y makes the loss, but Y does
+    not depend on it: naming it is refused like an unconnected name (it got a zero gradient
+    silently), warned about with allow_unused, and left out of the default set."""
+    model = parser.parse_model(TRAIN_BN)
+    with pytest.raises(gradgraph.GradientError, match="'mean' reaches loss 'loss' only through inputs"):
+        gradgraph.build_gradient_graph(model, "loss", ["s", "mean"])
+    with pytest.warns(UserWarning, match="gradient of 'mean' is zero"):
+        grad = gradgraph.build_gradient_graph(model, "loss", ["s", "mean"], allow_unused=True)
+    (zero,) = _run(grad, {"x": np.arange(8, dtype=np.float32).reshape(4, 2)}, ["mean_grad"])
+    np.testing.assert_array_equal(zero, np.zeros(2, np.float32))
+    default = gradgraph.build_gradient_graph(model, "loss")
+    assert {o.name for o in default.graph.output} >= {"s_grad", "b_grad"}
+    assert not {"mean_grad", "var_grad"} & {o.name for o in default.graph.output}
+
+
 CLIPPED = """
 <ir_version: 9, opset_import: ["" : 18]>
 g (float[2, 3] x) => (float loss) <float[3, 2] W = {1., 2., 3., 4., 5., 6.}, float hi = {0.5},

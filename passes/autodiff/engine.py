@@ -366,10 +366,25 @@ class GradientSweep:
             seeds[id(self.loss)] = [self._seed()]
         total = self._sweep(active, needs, toward_loss, seeds)
 
+        grads = {id(w): total(w) if id(w) in needs else None for w in self.weights}
+        # connected to the loss, yet no rule on the way gives it a gradient: an input the op's
+        # result does not depend on (a training-mode BatchNormalization's running mean and
+        # variance, which only its running-statistics outputs read)
+        inert = [w for w in self.weights if id(w) in needs and grads[id(w)] is None]
+        if inert and (self.options.omit_unused or self._all_initializers):  # the default set: not theirs
+            self.weights = [w for w in self.weights if grads[id(w)] is not None or id(w) not in needs]
+        elif inert and not self.options.allow_unused:
+            raise GradientError(
+                f"trained name {inert[0].name!r} reaches loss {self._loss_text()} only through "
+                f"inputs the loss does not depend on (e.g. a training-mode BatchNormalization's "
+                f"running mean or variance): its gradient is zero everywhere ({UNUSED_HINT})")
+        for w in inert if self.options.allow_unused else ():
+            warnings.warn(f"the gradient of {w.name!r} is zero: it reaches loss {self._loss_text()} "
+                          "only through inputs the loss does not depend on", stacklevel=2)
         b.prefix = "grad_outputs"
         results: dict[str, ir.Value] = {}
         for w in self.weights:
-            g = total(w) if id(w) in needs else None
+            g = grads[id(w)]
             if g is None:
                 g = b.zeros_like(b.wrap(w))
             results[w.name or ""] = self._expose(g, w)
