@@ -104,6 +104,17 @@ def is_quantized(value: ir.Value) -> bool:
 ZERO_DERIVATIVE_OPS = frozenset({"Round", "Floor", "Ceil", "Sign"})
 
 
+def _unread_inputs(node: ir.Node, wanted: set[int]) -> frozenset[int]:
+    """Inputs of ``node`` that none of its outputs in ``wanted`` (ids) depends on: a
+    training-mode BatchNormalization's running mean and variance (inputs 3, 4) feed only its
+    running-statistics outputs (1, 2), not Y, which is normalized with the batch's statistics."""
+    if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and len(node.inputs) >= 5 \
+            and (bool(node.attributes.get_int("training_mode")) or len(node.outputs) > 1) \
+            and not any(id(o) in wanted for o in node.outputs[1:3]):
+        return frozenset({3, 4})
+    return frozenset()
+
+
 def _is_diff_edge(rule: GradRule | None, index: int, value: ir.Value) -> bool:
     if is_quantized(value):  # only into DequantizeLinear's quantized input
         return rule is not None and rule.op_type == "DequantizeLinear" and index == 0
@@ -215,8 +226,9 @@ class GradientSweep:
                 continue
             active.append(node)
             rule = self._rules[id(node)]
+            unread = _unread_inputs(node, needs)
             for i, v in _edges(node):
-                if id(v) in forward and _is_diff_edge(rule, i, v):
+                if id(v) in forward and _is_diff_edge(rule, i, v) and i not in unread:
                     needs.add(id(v))
                     toward_loss.setdefault(id(v), out)
         return active, needs, toward_loss
@@ -237,7 +249,8 @@ class GradientSweep:
         toward: set[int] = {id(self.loss)}
         for node in reversed(list(self.graph)):
             if any(id(o) in toward for o in node.outputs):
-                toward.update(id(v) for _, v in _edges(node))
+                unread = _unread_inputs(node, toward)
+                toward.update(id(v) for i, v in _edges(node) if i not in unread)
         if id(weight) not in toward:
             return []
         forward = {id(weight)}
@@ -259,7 +272,8 @@ class GradientSweep:
         for node in reversed(list(self.graph)):
             if any(id(o) in carried for o in node.outputs):
                 rule = self._rules[id(node)]
-                carried.update(id(v) for i, v in _edges(node) if _is_diff_edge(rule, i, v))
+                unread = _unread_inputs(node, carried)
+                carried.update(id(v) for i, v in _edges(node) if _is_diff_edge(rule, i, v) and i not in unread)
         return carried
 
     def _blocked_at(self, weight: ir.Value) -> str:
@@ -346,6 +360,15 @@ class GradientSweep:
                     f"trained name {w.name!r} does not reach loss {self._loss_text()} through any "
                     f"differentiable path: its way there runs through {blocked}, which has no "
                     f"gradient ({UNUSED_HINT})")
+            unread = next(((n, i) for n in self.graph for i, v in enumerate(n.inputs)
+                           if v is w and i in _unread_inputs(n, set())), None)
+            if unread is not None:
+                node, index = unread
+                raise GradientError(
+                    f"trained name {w.name!r} does not reach loss {self._loss_text()}: it is input "
+                    f"{index} of {node.op_type} node {node.name!r}, whose output the loss reads does "
+                    f"not depend on it (in training mode Y is normalized with the batch's statistics; "
+                    f"the running ones only feed their update) ({UNUSED_HINT})")
             raise GradientError(
                 f"trained name {w.name!r} does not reach loss {self._loss_text()}: no path of the "
                 f"graph connects them ({UNUSED_HINT})")
@@ -366,25 +389,10 @@ class GradientSweep:
             seeds[id(self.loss)] = [self._seed()]
         total = self._sweep(active, needs, toward_loss, seeds)
 
-        grads = {id(w): total(w) if id(w) in needs else None for w in self.weights}
-        # connected to the loss, yet no rule on the way gives it a gradient: an input the op's
-        # result does not depend on (a training-mode BatchNormalization's running mean and
-        # variance, which only its running-statistics outputs read)
-        inert = [w for w in self.weights if id(w) in needs and grads[id(w)] is None]
-        if inert and (self.options.omit_unused or self._all_initializers):  # the default set: not theirs
-            self.weights = [w for w in self.weights if grads[id(w)] is not None or id(w) not in needs]
-        elif inert and not self.options.allow_unused:
-            raise GradientError(
-                f"trained name {inert[0].name!r} reaches loss {self._loss_text()} only through "
-                f"inputs the loss does not depend on (e.g. a training-mode BatchNormalization's "
-                f"running mean or variance): its gradient is zero everywhere ({UNUSED_HINT})")
-        for w in inert if self.options.allow_unused else ():
-            warnings.warn(f"the gradient of {w.name!r} is zero: it reaches loss {self._loss_text()} "
-                          "only through inputs the loss does not depend on", stacklevel=2)
         b.prefix = "grad_outputs"
         results: dict[str, ir.Value] = {}
         for w in self.weights:
-            g = grads[id(w)]
+            g = total(w) if id(w) in needs else None
             if g is None:
                 g = b.zeros_like(b.wrap(w))
             results[w.name or ""] = self._expose(g, w)
