@@ -10,7 +10,7 @@ In a training graph each node of the chain is a pass over the activation in the 
 its output alive for the backward, and gets a gradient of its own (the tanh form's backward is
 12 nodes, the sum of three contributions to ``x`` included). One Gelu node is one pass forward,
 keeps nothing but ``x``, and its gradient rule (passes/autodiff/rules/elementwise.py) is 11 (erf)
-or 15 (tanh) nodes computed from ``x`` alone. The fused node is the standard ``Gelu``
+or 15 (tanh, x clipped first) nodes computed from ``x`` alone. The fused node is the standard ``Gelu``
 (``approximate`` "none" / "tanh") where the model's opset is 20 or newer, else onnxruntime's
 ``com.microsoft`` ``Gelu`` / ``FastGelu`` (same formulas; stock onnxruntime has them on CPU and
 CUDA). Measured on the GPT-2-like benchmark model (tools/bench_training.py's models): see the

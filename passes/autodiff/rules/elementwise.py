@@ -180,7 +180,7 @@ def gelu_derivative(b, x, approximate: str):
 
     tanh: with ``t = tanh(k (x + a x^3))``, ``0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 a x^2)``
     is written ``(1 + t) (0.5 + x (1 - t) (0.5 k + 1.5 k a x^2))`` (``1 - t^2 = (1 - t)(1 + t)``)
-    on ``x`` clipped to [-20, 20]: 15 nodes. Beyond 20 the derivative is its limit, 0 or 1, to
+    on ``x`` clipped to [-20, 20]: 14 nodes with the Clip. Beyond 20 the derivative is its limit, 0 or 1, to
     float64 precision (``t`` rounds to -1 or 1 from ``|x| ~ 6``), and the clip keeps ``x^2`` and
     the product finite in float16 (unclipped, ``x^2`` overflows from 256 and ``0 * inf`` made the
     gradient NaN from ``x ~ -86``). erf: ``Phi(x) + x phi(x)`` with ``u = x / sqrt 2`` shared by
