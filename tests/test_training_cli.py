@@ -153,6 +153,9 @@ def test_resume_with_other_settings_names_the_setting(files: tuple[Path, Path], 
     capsys.readouterr()
     assert main([*_args(model, data, out, 4, "--resume"), "--accumulate", "1"]) == 2
     assert "written with accumulation_steps 2 (CLI --accumulate), the session uses 1" in capsys.readouterr().err
+    other = tmp_path / "other"  # accumulating 4 instead of 2: the same state, it resumes
+    assert main(_args(model, data, other, 2)) == 0
+    assert main([*_args(model, data, other, 4, "--resume"), "--accumulate", "4"]) == 0
     frozen = read_checkpoint(out / CHECKPOINT_NAME)[1]["trained"][0]
     assert main(_args(model, data, out, 4, "--resume", "--freeze", frozen)) == 2
     assert f"written training other weights (frozen now ['{frozen}'])" in capsys.readouterr().err

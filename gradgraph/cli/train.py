@@ -145,10 +145,11 @@ def _validate(args: argparse.Namespace) -> None:
     need(args.max_skipped >= 1, "--max-skipped", "a positive integer")
     need(args.stop_at is None or 0 <= args.stop_at <= args.steps, "--stop-at", "in [0, --steps]")
     dims_arg(args.dim)  # a malformed --dim is an error whatever else is given
-    if args.dim and not args.recompute and args.memory_budget is None:
+    launching = args.nproc > 1 and "RANK" not in os.environ  # rank 0 will say it again
+    if args.dim and not args.recompute and args.memory_budget is None and not launching:
         warnings.warn("--dim sizes symbolic dimensions for the recompute planner (--recompute, "
                       "--memory-budget); without them it changes nothing", stacklevel=2)
-    if args.momentum and args.optimizer != "sgd":
+    if args.momentum and args.optimizer != "sgd" and not launching:
         warnings.warn(f"--momentum is SGD's; --optimizer {args.optimizer} ignores it", stacklevel=2)
     if args.resume and args.checkpoint_dir is None:
         raise InputError("--resume needs --checkpoint-dir (the folder holding " + CHECKPOINT_NAME + ")")

@@ -371,8 +371,6 @@ class TrainingSession:
         if strict and meta.get("optimizer") != self.config.optimizer.name:
             raise CheckpointError(f"{where} was written with optimizer "
                                   f"{meta.get('optimizer')!r}, the session uses {self.config.optimizer.name!r}")
-        if strict:
-            self._check_settings(meta, where)
         step = tensors.get(self.names.step)
         if step is not None and np.asarray(step).size == 1 and "step" in meta \
                 and int(np.asarray(step).reshape(-1)[0]) != meta["step"]:
@@ -383,29 +381,33 @@ class TrainingSession:
         try:
             self.load_state(tensors, strict=strict)
         except CheckpointError as exc:
-            raise CheckpointError(f"{where}: {exc}") from exc
+            setting = self._setting_that_differs(meta) if strict else None
+            raise CheckpointError(f"{where} {setting}" if setting else f"{where}: {exc}") from exc
         if partial:
             warnings.warn(partial, stacklevel=2)
         skipped = meta.get("skipped_steps", 0)
         self.skipped_steps = skipped if isinstance(skipped, int) and skipped >= 0 else 0
         return dict(meta.get("user", {}))
 
-    def _check_settings(self, meta: Mapping[str, Any], where: str) -> None:
-        """A strict load: the settings the checkpoint's state depends on are the session's
-        (the tensors would differ anyway; this says which setting, not which tensors)."""
+    def _setting_that_differs(self, meta: Mapping[str, Any]) -> str | None:
+        """Where a strict load found other tensors than the session's: the setting recorded in
+        the checkpoint that explains it (accumulation on / off, the trained set), said instead
+        of the tensor names; None when neither differs. Settings that differ while the tensors
+        match (accumulation 2 vs 4, a weight frozen under stateless SGD) load as before."""
         steps = meta.get("accumulation_steps")
         ours = self.config.update.accumulation_steps
         if isinstance(steps, int) and steps != ours:
-            raise CheckpointError(f"{where} was written with accumulation_steps {steps} (CLI "
-                                  f"--accumulate), the session uses {ours}: train with the same")
+            return (f"was written with accumulation_steps {steps} (CLI --accumulate), the session "
+                    f"uses {ours}, whose state differs: train with the same")
         trained = meta.get("trained")
         if isinstance(trained, list) and sorted(trained) != sorted(self.artifacts.trained):
             now, then = set(self.artifacts.trained), set(trained)
             parts = [f"{label} {sorted(names)[:5]}{' ...' if len(names) > 5 else ''}"
                      for label, names in (("frozen now", then - now), ("trained now, not then", now - then))
                      if names]
-            raise CheckpointError(f"{where} was written training other weights ({'; '.join(parts)}): "
-                                  "train the same set (CLI --freeze, weights_to_train)")
+            return (f"was written training other weights ({'; '.join(parts)}), whose optimizer state "
+                    "differs: train the same set (CLI --freeze, weights_to_train)")
+        return None
 
     def _check_overlap(self, tensors: Mapping[str, Any], where: str) -> str | None:
         """strict=False: refuse a checkpoint sharing no weight or optimizer state with the
