@@ -276,3 +276,21 @@ def test_concurrent_runs_of_one_graph(mlp_model: bytes) -> None:
             got = list(pool.map(lambda f: session.eval_step(f)["loss"], batches))
             for ours, want in zip(got, expected, strict=True):
                 np.testing.assert_array_equal(ours, want)
+
+
+def test_a_checkpoint_whose_tensors_fit_loads_whatever_settings_differ(mlp_model: bytes, tmp_path: Path) -> None:
+    """Stateless SGD over every weight, then resumed with some frozen: the state is the same
+    tensors, so it loads (the recorded trained set only explains a load whose tensors differ)."""
+    everything = TrainingSession(mlp_model, TrainingConfig("loss", SGDConfig()), providers=CPU)
+    everything.train_step(mlp_batches(1)[0], lr=LR)
+    everything.save_checkpoint(tmp_path / "all.safetensors")
+    trained = everything.artifacts.trained
+    part = TrainingSession(mlp_model, TrainingConfig("loss", SGDConfig(), weights_to_train=tuple(trained[:2])),
+                           providers=CPU)
+    part.load_checkpoint(tmp_path / "all.safetensors")
+    adam = TrainingSession(mlp_model, TrainingConfig("loss", AdamWConfig(), weights_to_train=tuple(trained[:2])),
+                           providers=CPU)
+    everything_adam = TrainingSession(mlp_model, TrainingConfig("loss", AdamWConfig()), providers=CPU)
+    everything_adam.save_checkpoint(tmp_path / "adam.safetensors")
+    with pytest.raises(CheckpointError, match=r"written training other weights \(frozen now"):
+        adam.load_checkpoint(tmp_path / "adam.safetensors")
