@@ -41,11 +41,10 @@ import onnxruntime as ort
 from gradgraph.io import load_model
 from passes.autodiff.errors import GradientError, unwrap_pass_errors
 from passes.batching import BATCH_ERROR, DynamicBatchPass, batch_error, select_batch_inputs
+from passes.cleanup import RANDOM_OPS
 
 __all__ = ["BATCH_ERROR", "make_batch_dynamic"]
 
-_RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-                         "Multinomial", "Bernoulli"})
 _VALUE_PRESERVING = frozenset({"Cast", "Concat", "Expand", "Flatten", "Identity", "Reshape",
                                "SequenceAt", "Slice", "Split", "SplitToSequence", "Squeeze", "Tile",
                                "Transpose", "Unsqueeze"})
@@ -194,7 +193,7 @@ def _index_bound(value: ir.Value) -> int:
 
 
 def _is_random(node: ir.Node) -> bool:
-    if node.op_type in _RANDOM_OPS:
+    if node.op_type in RANDOM_OPS:
         return True
     if node.op_type != "Dropout" or len(node.inputs) < 3 or node.inputs[2] is None:
         return False

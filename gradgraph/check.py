@@ -68,6 +68,7 @@ from gradgraph.io import load_model
 from gradgraph.reference_kernels import REFERENCE_OVERRIDES
 from passes.autodiff import GradientError
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
+from passes.cleanup import RANDOM_OPS
 from passes.forward.prepare import PrepareForGradientPass
 from passes.forward.reduce_loss import ReduceLossPass
 from passes.forward.to_double import ToDoublePass
@@ -596,10 +597,6 @@ def gradcheck(
     return dataclasses.replace(report, notes=tuple(notes))
 
 
-_RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
-                         "Bernoulli", "Multinomial"})
-
-
 def _without_random_draws(model: ir.Model, model_desc: str) -> list[str]:
     """Training-mode Dropouts of ``model`` switched off (inference Dropout, the identity), with a
     note naming them: each run of the loss would draw new masks, and differences of the loss
@@ -609,7 +606,7 @@ def _without_random_draws(model: ir.Model, model_desc: str) -> list[str]:
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.domain not in ("", "ai.onnx"):
             continue
-        if node.op_type in _RANDOM_OPS:
+        if node.op_type in RANDOM_OPS:
             raise GradientError(
                 f"cannot check {model_desc}: node {node.name!r} ({node.op_type}) draws random "
                 "numbers, so the loss changes from run to run and differences of it say nothing "

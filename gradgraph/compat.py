@@ -9,6 +9,7 @@ lowers both, converting the opset with ``onnx.version_converter`` and refusing (
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import onnx
@@ -129,21 +130,22 @@ def _schema_missing(op_type: str, opset: int) -> bool:
 
 def _op_types(graph: onnx.GraphProto, model: onnx.ModelProto):
     local = {(f.domain, f.name) for f in model.functions}
-    for g in _graphs(graph):
+    for g in proto_graphs(graph):
         for node in g.node:
             if node.domain in _DEFAULT_DOMAINS and (node.domain, node.op_type) not in local:
                 yield node.op_type
 
 
-def _graphs(graph: onnx.GraphProto):
+def proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph of its nodes' attributes (If / Loop / Scan bodies), nested."""
     yield graph
     for node in graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
+                yield from proto_graphs(attr.g)
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for sub in attr.graphs:
-                    yield from _graphs(sub)
+                    yield from proto_graphs(sub)
 
 
 def _type_elems(tp: onnx.TypeProto):
@@ -158,7 +160,7 @@ def _type_elems(tp: onnx.TypeProto):
 
 
 def _dtypes(model: onnx.ModelProto):
-    graphs = list(_graphs(model.graph))
+    graphs = list(proto_graphs(model.graph))
     for f in model.functions:
         graphs.append(onnx.helper.make_graph(f.node, f.name, [], []))
     for g in graphs:

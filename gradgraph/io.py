@@ -24,6 +24,7 @@ import onnx
 import onnx_ir as ir
 from onnx import version_converter
 
+from gradgraph.compat import proto_graphs
 from gradgraph.model_check import check_model_proto
 from passes.autodiff import GradientError
 
@@ -110,16 +111,11 @@ def _missing_external_data(path: Path) -> list[str]:
     except Exception:  # noqa: BLE001 - not an ONNX model at all: the caller's message
         return []
     tensors: list[onnx.TensorProto] = []
-    graphs = [proto.graph]
-    while graphs:
-        graph = graphs.pop()
+    for graph in proto_graphs(proto.graph):
         tensors.extend(graph.initializer)
-        for node in graph.node:
-            for attr in node.attribute:
-                tensors.extend([attr.t] if attr.HasField("t") else [])
-                tensors.extend(attr.tensors)
-                graphs.extend([attr.g] if attr.HasField("g") else [])
-                graphs.extend(attr.graphs)
+        for attr in (a for node in graph.node for a in node.attribute):
+            tensors.extend([attr.t] if attr.HasField("t") else [])
+            tensors.extend(attr.tensors)
     locations = {entry.value for tensor in tensors if tensor.data_location == onnx.TensorProto.EXTERNAL
                  for entry in tensor.external_data if entry.key == "location"}
     return sorted(loc for loc in locations if not (path.parent / loc).is_file())

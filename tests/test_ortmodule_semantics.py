@@ -650,7 +650,6 @@ def test_outputs_that_no_trained_value_reaches_do_not_require_grad():
         _close(g.float(), w.float())
 
 
-
 def test_a_float_output_beside_the_trained_one_that_needs_no_gradient(capfd):
     """Statistics of the input, a constant and a metric returned beside the Linear's output:
     their gradients are unread by the backward (it failed on their unknown seed inputs), they

@@ -71,6 +71,7 @@ from passes.autodiff import GradientOptions
 from passes.autodiff.engine import FLOAT_TYPES
 from passes.autodiff.gradient_pass import GradientPass
 from passes.autodiff.vjp import VjpSeedPass
+from passes.cleanup import RANDOM_OPS
 from passes.forward.distinct_outputs import DistinctOutputsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
@@ -203,10 +204,6 @@ def _session(model: ir.Model, threads: int | None, severity: int = 3,
     opts.enable_mem_pattern = False
     return inference_session(ir.to_proto(model), opts, providers=providers,
                              disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
-
-
-RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
-                        "Bernoulli", "Multinomial"})
 
 
 def _draws_random_numbers(model: ir.Model) -> bool:

@@ -170,12 +170,17 @@ class GraphRunner:
         self._bindings: dict[tuple[Any, ...], tuple[tuple[ort.OrtValue, ...], ort.IOBinding]] = {}
         self._lock = threading.Lock()
         # What a kept binding holds for each feed between runs instead of the user's array.
-        self._placeholders: dict[str, np.ndarray] = {name: np.empty((0,), NP_OF_ORT.get(self.input_types[name], np.float32))
-                              for name in self.feed_names}
+        self._placeholders: dict[str, np.ndarray] = {
+            name: np.empty((0,), NP_OF_ORT.get(self.input_types[name], np.float32)) for name in self.feed_names}
 
     def forget_bindings(self) -> None:
         with self._lock:
             self._bindings.clear()
+
+    def _bound_state(self, store: StateStore) -> tuple[tuple[ort.OrtValue, ...], tuple[ort.OrtValue, ...]]:
+        """The store's OrtValues a run binds: the held inputs' values, the updates' spares."""
+        return (tuple(store.values[n] for n in self.held_inputs),
+                tuple(store.spare(n) for n in self.updates))
 
     def _new_binding(self, values: Sequence[ort.OrtValue], spares: Sequence[ort.OrtValue],
                      bound: Sequence[str]) -> ort.IOBinding:
@@ -199,8 +204,7 @@ class GraphRunner:
         when it replaces a value (``StateStore.set``: a loaded state, ZeRO-1's gathered weights
         or a buffer replaced every step), so they never keep a replaced value alive. Between
         runs a kept binding holds neither the feeds nor the fetched outputs (see _run)."""
-        values = tuple(store.values[n] for n in self.held_inputs)
-        spares = tuple(store.spare(n) for n in self.updates)
+        values, spares = self._bound_state(store)
         key = (tuple(map(id, values)), tuple(map(id, spares)), tuple(bound))
         entry = self._bindings.get(key)
         if entry is not None:
@@ -223,9 +227,8 @@ class GraphRunner:
         if self.select_on is not None and self.select_on not in bound:
             bound.append(self.select_on)
         if not self._lock.acquire(blocking=False):  # another thread is running this graph
-            values = [store.values[n] for n in self.held_inputs]
-            spares = [store.spare(n) for n in self.updates]
-            return self._run(store, feeds, fetches, bound, self._new_binding(values, spares, bound), False)
+            binding = self._new_binding(*self._bound_state(store), bound)
+            return self._run(store, feeds, fetches, bound, binding, False)
         try:
             return self._run(store, feeds, fetches, bound, self._kept_binding(store, bound), True)
         finally:

@@ -1,5 +1,6 @@
 """Graph cleanup: constant folding, identity removal, CSE and dead-code removal (see CleanupPass)."""
 
+from passes.cleanup._common import RANDOM_OPS
 from passes.cleanup.cleanup_pass import CleanupOptions, CleanupPass
 from passes.cleanup.cse import CommonSubexpressionEliminationPass
 from passes.cleanup.dead_code import DeadCodeEliminationPass
@@ -13,4 +14,5 @@ __all__ = [
     "DeadCodeEliminationPass",
     "FoldConstantNodesPass",
     "IdentityEliminationPass",
+    "RANDOM_OPS",
 ]
