@@ -63,7 +63,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx_ir.passes import PassError
 
 from gradgraph.api import build_gradient_graph
-from gradgraph.feeds import InputError, check_feeds
+from gradgraph.feeds import NP_OF_ORT, InputError, check_feeds, unshaped_inputs
 from gradgraph.io import load_model
 from gradgraph.reference_kernels import REFERENCE_OVERRIDES
 from passes.autodiff import GradientError
@@ -580,8 +580,9 @@ def gradcheck(
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
         reason, op = _describe_failure(exc, grad_model, "gradient graph")
         raise GradientError(f"cannot check {model_desc}: {reason}", op_type=op) from exc
-    check_feeds(grad_session.get_inputs(), feeds, "the inputs given")
-    feeds = {i.name: np.asarray(feeds[i.name]) for i in grad_session.get_inputs()}
+    check_feeds(grad_session.get_inputs(), feeds, "the inputs given", unshaped=unshaped_inputs(grad_model))
+    # a float64 array for a float input is accepted (check_feeds: a same-kind cast), as in training
+    feeds = {i.name: np.asarray(feeds[i.name], dtype=NP_OF_ORT.get(i.type)) for i in grad_session.get_inputs()}
     try:
         analytic = dict(zip(grad_names, grad_session.run(grad_names, feeds)))
     except Exception as exc:  # noqa: BLE001

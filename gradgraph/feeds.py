@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from passes.autodiff import GradientError
@@ -28,10 +29,20 @@ class InputError(GradientError):
     refusal of the API; the CLI prints one line and exits 2."""
 
 
+def unshaped_inputs(model: onnx.ModelProto) -> frozenset[str]:
+    """The graph inputs of ``model`` declared without a shape (any rank is accepted).
+
+    onnxruntime reports such an input's shape as ``[]``, as it does a scalar's: only the model
+    tells them apart, so :func:`check_feeds` is given these names."""
+    return frozenset(i.name for i in model.graph.input
+                     if i.type.HasField("tensor_type") and not i.type.tensor_type.HasField("shape"))
+
+
 def check_feeds(inputs: Iterable[ort.NodeArg], feeds: Mapping[str, Any], source: str = "the feeds",
-                skip: Iterable[str] = ()) -> None:
-    """Raise :class:`InputError` unless ``feeds`` fit ``inputs`` (names in ``skip`` are fed elsewhere)."""
-    skipped = set(skip)
+                skip: Iterable[str] = (), unshaped: Iterable[str] = ()) -> None:
+    """Raise :class:`InputError` unless ``feeds`` fit ``inputs`` (names in ``skip`` are fed
+    elsewhere; those in ``unshaped``, see :func:`unshaped_inputs`, take any shape)."""
+    skipped, any_shape = set(skip), set(unshaped)
     expected = [i for i in inputs if i.name not in skipped]
     missing = [i.name for i in expected if i.name not in feeds]
     if missing:
@@ -48,7 +59,7 @@ def check_feeds(inputs: Iterable[ort.NodeArg], feeds: Mapping[str, Any], source:
             raise InputError(f"input {arg.name!r} from {source} has dtype {array.dtype}; the model "
                              f"expects {np.dtype(want).name}")
         shape = list(arg.shape) if arg.shape is not None else None
-        if shape is None:
+        if shape is None or arg.name in any_shape:
             continue
         if array.ndim != len(shape):
             raise InputError(f"input {arg.name!r} from {source} has shape {list(array.shape)} "

@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 
 from gradgraph.compat import inference_session
-from gradgraph.feeds import NP_OF_ORT, check_feeds
+from gradgraph.feeds import NP_OF_ORT, check_feeds, unshaped_inputs
 from passes.marks import STAGE_KEY, Role
 from passes.optimizer.optimizer_pass import VALID_IF_KEY, TrainingNames
 from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
@@ -163,6 +163,7 @@ class GraphRunner:
         self.select_on = flags[0] if flags else None
         self.conditional = {n for n, out in self.updates.items() if out in valid_if}
         self._inputs = self.session.get_inputs()
+        self._unshaped = unshaped_inputs(model)
         self._not_fed = set(self.held_inputs + self.internal)
         # IOBindings with the held inputs and the update outputs bound, by the identity of the
         # OrtValues bound and the fetches (see _kept_binding); the lock keeps them to one run at
@@ -219,7 +220,7 @@ class GraphRunner:
     def run(self, store: StateStore, feeds: Mapping[str, Any], fetches: Sequence[str]) -> dict[str, np.ndarray]:
         # The session feeds the learning rate and the accumulation reset itself: a user's data
         # is checked against the model's own inputs only.
-        check_feeds(self._inputs, feeds, skip=self._not_fed)
+        check_feeds(self._inputs, feeds, skip=self._not_fed, unshaped=self._unshaped)
         unknown = [n for n in fetches if n not in self.fetchable]
         if unknown:
             raise ValueError(f"cannot fetch {unknown}; this graph outputs {self.fetchable}")

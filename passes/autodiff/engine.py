@@ -449,7 +449,8 @@ class GradientSweep:
                 raise
             except Exception as exc:  # noqa: BLE001 - re-raised with the node named
                 raise GradientError(
-                    f"the gradient rule for {node.op_type} failed: {type(exc).__name__}: {exc}",
+                    f"the gradient rule for {node.op_type} failed: {type(exc).__name__}: {exc}"
+                    f"{self._shapeless_hint(node)}",
                     op_type=node.op_type, domain=node.domain, opset=self._opset_of(node),
                     node=node.name, path=path,
                 ) from exc
@@ -466,6 +467,19 @@ class GradientSweep:
             b.marks = dict(outer)
 
         return total
+
+    def _shapeless_hint(self, node: ir.Node) -> str:
+        """Where a rule's failure may come from values of unknown rank: those inputs of ``node``
+        and the graph inputs declared without a shape, which no shape inference can give one."""
+        unknown = [v.name for v in node.inputs if v is not None and v.shape is None]
+        if not unknown:
+            return ""
+        declared = [v.name for v in self.graph.inputs if v.shape is None]
+        hint = f" (no shape is known for {unknown}"
+        if declared:
+            hint += (f"; the model input(s) {declared} declare none: give them one, with named "
+                     "dimensions for the sizes that vary")
+        return hint + ")"
 
     def _seed(self) -> Var:
         b = self.b

@@ -1,0 +1,59 @@
+"""Graph inputs declared without a shape, and feeds of a wider float type.
+
+onnxruntime reports an input declared without a shape as ``[]``, as it does a scalar: the feed
+check takes the shape from the model, so such an input accepts any rank (it refused a matrix
+as "expects rank 0"). A rule that needs a rank names the values without one. ``gradcheck``
+casts float64 inputs given for a float input, as training does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from gradgraph import GradientError, TrainingConfig, TrainingSession
+from gradgraph.check import gradcheck
+from gradgraph.feeds import InputError, unshaped_inputs
+
+
+def _model(op: str, x_shape) -> onnx.ModelProto:
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32), "W")
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "W"], ["y"]),
+         helper.make_node("ReduceSumSquare", ["y"], ["loss"], keepdims=0)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_unshaped_input_takes_any_rank() -> None:
+    model = _model("Mul", None)
+    assert unshaped_inputs(model) == {"x"}
+    x = np.random.default_rng(1).standard_normal((2, 4, 3)).astype(np.float32)
+    session = TrainingSession(model, TrainingConfig(loss="loss"))
+    loss = session.train_step({"x": x}, lr=0.0)
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    np.testing.assert_allclose(loss, float(((x * w) ** 2).sum()), rtol=1e-5)
+    report = gradcheck(model, "loss", inputs={"x": x})
+    assert all(row.result == "ok" for row in report.rows), report
+
+
+def test_scalar_input_still_refuses_a_matrix() -> None:
+    model = _model("Mul", [])
+    assert unshaped_inputs(model) == set()
+    session = TrainingSession(model, TrainingConfig(loss="loss"))
+    with pytest.raises(InputError, match=r"input 'x' .* expects rank 0"):
+        session.train_step({"x": np.ones((4, 3), np.float32)}, lr=0.0)
+
+
+def test_rule_needing_a_rank_names_the_shapeless_input() -> None:
+    with pytest.raises(GradientError, match=r"model input\(s\) \['x'\] declare none"):
+        TrainingSession(_model("MatMul", None), TrainingConfig(loss="loss"))
+
+
+def test_gradcheck_casts_float64_inputs_for_a_float_model() -> None:
+    x = np.random.default_rng(2).standard_normal((5, 4))  # float64 for a float input
+    report = gradcheck(_model("MatMul", [5, 4]), "loss", inputs={"x": x})
+    assert [row.result for row in report.rows] == ["ok"]
