@@ -8,6 +8,8 @@ the same arithmetic); the split must be bit-exact. Graphs: hypothesis-drawn trai
 from __future__ import annotations
 
 import importlib.util
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -20,6 +22,8 @@ from passes.marks import Role, role_of
 from passes.recompute import RecomputeOptions, RecomputePass, total_stash_bytes
 from passes.split import SPLIT_KEY, SplitError, split_forward_backward
 from passes.split.forward_backward import VIEW_OPS
+
+REPLAYED = VIEW_OPS | {"Transpose"}  # views and the Transposes matrix products fold
 
 HAS_STRATEGIES = importlib.util.find_spec("graph_strategies") is not None
 
@@ -52,7 +56,7 @@ def assert_split_exact(model: ir.Model, feeds: dict[str, np.ndarray]) -> None:
     # and views run again on their stashed input
     assert all(role_of(n) in (Role.FORWARD, Role.PRECISION) or n.op_type in ("Shape", "Size")
                for n in split.forward.graph)
-    assert all(role_of(n) != Role.FORWARD or n.op_type == "Constant" or n.op_type in VIEW_OPS
+    assert all(role_of(n) != Role.FORWARD or n.op_type == "Constant" or n.op_type in REPLAYED
                for n in split.backward.graph)
     # no view's output is stashed: onnxruntime copies a view that is a graph output
     producers = {v.name: n for n in split.forward.graph for v in n.outputs}
@@ -61,6 +65,13 @@ def assert_split_exact(model: ir.Model, feeds: dict[str, np.ndarray]) -> None:
     assert all(v.uses() or v.name in forward_outputs
                for n in split.forward.graph if n.op_type in VIEW_OPS for v in n.outputs)
     assert not any(producers[name].op_type in VIEW_OPS for name in split.stashed if name in producers)
+    # nor a Transpose that only matrix products read (onnxruntime folds it into them)
+    assert not any(producers[name].op_type == "Transpose"
+                   and {u.node.op_type for u in producers[name].outputs[0].uses()} <= {"MatMul", "Gemm"}
+                   and list(producers[name].attributes.get_ints("perm") or [])[-2:]
+                   == [len(producers[name].attributes.get_ints("perm") or []) - 1,
+                       len(producers[name].attributes.get_ints("perm") or []) - 2]
+                   for name in split.stashed if name in producers)
     assert split.forward.graph.metadata_props[SPLIT_KEY] == "forward"
     # the stash is at most what the analysis counts (a Shape-only read stashes the shape)
     stash_bytes, unknown = total_stash_bytes(model)
@@ -233,3 +244,45 @@ def test_a_loop_whose_gradient_body_reads_forward_values_splits_exactly():
     feeds = {"x": np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32),
              "trips": np.array(3, np.int64)}
     assert_split_exact(ir.from_proto(grad), feeds)
+
+
+def _tied_head(extra_reader: str | None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """``logits = h @ Transpose(E)`` with ``h = Gather(E, ids)``: a tied embedding, as GPT-2's
+    LM head; ``extra_reader`` adds another op reading the transposed weight."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["h"]),
+             helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "Et"], ["logits"]),
+             helper.make_node("ReduceSumSquare", ["logits"], ["loss"], keepdims=0)]
+    if extra_reader:
+        nodes += [helper.make_node(extra_reader, ["Et"], ["et2"]),
+                  helper.make_node("ReduceSum", ["et2"], ["r"], keepdims=0),
+                  helper.make_node("Add", ["loss", "r"], ["total"])]
+    loss = "total" if extra_reader else "loss"
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3]),
+                                              helper.make_tensor_value_info("E", TensorProto.FLOAT, [7, 4])],
+                              [helper.make_tensor_value_info(loss, TensorProto.FLOAT, [])])
+    feeds = {"ids": rng.integers(0, 7, (2, 3)).astype(np.int64),
+             "E": rng.standard_normal((7, 4)).astype(np.float32)}
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), feeds
+
+
+@pytest.mark.parametrize("extra_reader", [None, "Sigmoid"])
+def test_a_transpose_only_products_read_is_run_again_not_stashed(extra_reader):
+    proto, feeds = _tied_head(extra_reader)
+    model = ir.from_proto(gradgraph.build_gradient_graph(proto, "total" if extra_reader else "loss", ["E"]))
+    assert_split_exact(model, feeds)
+    split = split_forward_backward(model)
+    # read by a Sigmoid too, the transposed weight is stashed as before
+    assert ("Et" in split.stashed) == (extra_reader is not None)
+    if extra_reader is None:  # and then onnxruntime folds it into the products on both sides
+        # (the Transpose left in the backward is the gradient's, of dEt into dE)
+        for part in (split.forward, split.backward):
+            opts = ort.SessionOptions()
+            opts.optimized_model_filepath = str(Path(tempfile.mkdtemp()) / "opt.onnx")
+            ort.InferenceSession(ir.to_proto(part).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+            optimized = onnx.load(opts.optimized_model_filepath)
+            assert not [n for n in optimized.graph.node if n.op_type == "Transpose" and set(n.input) & {"E", "Et"}]
+            assert any(n.op_type in ("MatMul", "FusedMatMul") and "E" in n.input for n in optimized.graph.node)

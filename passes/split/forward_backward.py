@@ -20,7 +20,9 @@ Where the cut goes is read from the node marks (:mod:`passes.marks`), never from
    optimizer of onnxruntime-training and torch's partitioner call saved activations). A
    ``Constant`` the backward reads is copied into the backward rather than stashed; a view
    (Reshape, Squeeze, Unsqueeze, Flatten, Identity) the backward reads is run again in the
-   backward on its stashed input (a view as a graph output is a copy in onnxruntime);
+   backward on its stashed input (a view as a graph output is a copy in onnxruntime), as is a
+   Transpose of the last two axes that only matrix products read (onnxruntime folds it into
+   them unless it is a graph output);
 4. the backward's inputs are the stash, the forward graph outputs it reads (the loss, for loss
    scaling), then the graph inputs it reads; its outputs are the graph outputs the backward side
    produces. Each side keeps the initializers it reads (a copy when both read one: make weights
@@ -203,19 +205,40 @@ def split_forward_backward(model: ir.Model) -> ForwardBackwardSplit:
 # for a graph output, which it copies (ORTModule's forward session, GPT-2-like model: 52
 # Reshapes whose outputs the backward kept, 9-14 ms of its ~160 ms, tools/profile_ortmodule.py).
 VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+# Matrix products onnxruntime folds a Transpose of their input into (MatmulTransposeFusion,
+# GemmTransposeFusion) when the Transpose swaps the last two axes and is not a graph output.
+# A Transpose reading a Transpose is cancelled by onnxruntime's transpose optimizer (level 1).
+_TRANSPOSE_FOLDING = frozenset({"MatMul", "Gemm", "Transpose"})
+
+
+def _folded_transpose(node: ir.Node, owners: dict[int, ir.Node]) -> bool:
+    """``node`` is a Transpose of the last two axes that only matrix products (or Transposes,
+    as the gradient of a product writes them) read, directly: replayed, it costs nothing on
+    either side (each product reads its input transposed). Stashed,
+    it is a pass over the tensor in the forward and a copy of it kept (the GPT-2-like model's
+    tied [256, 8192] embedding read by its LM head: 3 ms of ORTModule's forward)."""
+    perm = node.attributes.get_ints("perm")
+    rank = len(perm) if perm is not None else 0
+    if rank < 2 or list(perm) != [*range(rank - 2), rank - 1, rank - 2]:
+        return False
+    uses = node.outputs[0].uses()
+    return bool(uses) and all(u.node.op_type in _TRANSPOSE_FOLDING and u.node.domain in ("", "ai.onnx")
+                              and owners.get(id(u.node), u.node) is u.node for u in uses)
 
 
 def _replayed_views(nodes: list[ir.Node], sides: list[bool], dead: set[int], back_ids: set[int],
                     owners: dict[int, ir.Node], graph_outputs: set[int]) -> set[int]:
-    """Indices of the forward view nodes (:data:`VIEW_OPS`) the backward reads the output of:
-    run again in the backward on their input (stashed instead, the same bytes) rather than
-    stashed themselves. In reverse order, so that a chain of views is replayed whole."""
+    """Indices of the forward view nodes (:data:`VIEW_OPS`, and Transposes that matrix products
+    fold, see :func:`_folded_transpose`) the backward reads the output of: run again in the
+    backward on their input (stashed instead, the same bytes) rather than stashed themselves.
+    In reverse order, so that a chain of views is replayed whole."""
     replayed: set[int] = set()
     readers_back = set(back_ids)
     for index in reversed(range(len(nodes))):
         node = nodes[index]
-        if sides[index] or id(node) in dead or node.op_type not in VIEW_OPS \
-                or node.domain not in ("", "ai.onnx") or node_subgraphs(node):
+        if sides[index] or id(node) in dead or node.domain not in ("", "ai.onnx") or node_subgraphs(node):
+            continue
+        if node.op_type not in VIEW_OPS and not (node.op_type == "Transpose" and _folded_transpose(node, owners)):
             continue
         data = node.inputs[0] if node.inputs else None
         out = node.outputs[0]
