@@ -108,6 +108,14 @@ def _chain(variant: str, opset: int, dtype: int = TensorProto.FLOAT,
         nodes = [mk("Mul", ["x", "half"], ["hx"]), mk("Pow", ["x", "three"], ["x3"]),
                  mk("Mul", ["x3", "a"], ["ax3"]), mk("Add", ["x", "ax3"], ["s"]), mk("Mul", ["s", "k"], ["ks"]),
                  mk("Tanh", ["ks"], ["t"]), mk("Add", ["t", "one"], ["p"]), mk("Mul", ["hx", "p"], ["g"])]
+    elif variant == "tanh_fast":  # HF gelu_fast: 0.5 * x * (1 + tanh(x * k * (1 + a * x * x)))
+        nodes = [mk("Mul", ["x", "k"], ["xk"]), mk("Mul", ["a", "x"], ["ax"]), mk("Mul", ["ax", "x"], ["ax2"]),
+                 mk("Add", ["one", "ax2"], ["q"]), mk("Mul", ["xk", "q"], ["ks"]), mk("Tanh", ["ks"], ["t"]),
+                 mk("Add", ["one", "t"], ["p"]), mk("Mul", ["half", "x"], ["hx"]), mk("Mul", ["hx", "p"], ["g"])]
+    elif variant == "tanh_fast_sq":  # the same with a * (x * x), the tanh argument's factors swapped
+        nodes = [mk("Mul", ["x", "x"], ["x2"]), mk("Mul", ["x2", "a"], ["ax2"]), mk("Add", ["ax2", "one"], ["q"]),
+                 mk("Mul", ["k", "x"], ["xk"]), mk("Mul", ["q", "xk"], ["ks"]), mk("Tanh", ["ks"], ["t"]),
+                 mk("Add", ["t", "one"], ["p"]), mk("Mul", ["x", "p"], ["xp"]), mk("Mul", ["xp", "half"], ["g"])]
     else:  # tanh_cube: x * x * x, the factors multiplied as ((1 + t) * x) * 0.5
         nodes = [mk("Mul", ["x", "x"], ["x2"]), mk("Mul", ["x", "x2"], ["x3"]),
                  mk("Mul", ["a", "x3"], ["ax3"]), mk("Add", ["ax3", "x"], ["s"]), mk("Mul", ["k", "s"], ["ks"]),
@@ -131,7 +139,7 @@ def _torch_gelu_grad(x: np.ndarray, variant: str) -> np.ndarray:
     return xd.grad.numpy()
 
 
-@pytest.mark.parametrize("variant", ["erf_div", "erf_mul", "tanh_pow", "tanh_cube"])
+@pytest.mark.parametrize("variant", ["erf_div", "erf_mul", "tanh_pow", "tanh_cube", "tanh_fast", "tanh_fast_sq"])
 @pytest.mark.parametrize("opset", [17, 20])
 def test_written_forms(variant, opset) -> None:
     """Each written form becomes the standard Gelu at opset 20, the contrib op below."""
@@ -154,12 +162,41 @@ def test_written_forms(variant, opset) -> None:
     np.testing.assert_allclose(dx, _torch_gelu_grad(x, variant), rtol=1e-4, atol=1e-5)
 
 
+class _FastGelu(torch.nn.Module):
+    """transformers' FastGELUActivation (``gelu_fast``), as its source writes it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+def test_hf_gelu_fast_export() -> None:
+    torch.manual_seed(0)
+    module = _Mlp("tanh")
+    module.act = _FastGelu()
+    x = torch.randn(5, 6)
+    model = _legacy_export(module, x)
+    fused, modified = _fused(model)
+    assert modified and ("com.microsoft", "FastGelu") in _ops(fused)
+    assert not any(op in ("Tanh", "Pow") for _, op in _ops(fused))
+    np.testing.assert_allclose(_run(fused, {"x": x.numpy()})[0], _run(model, {"x": x.numpy()})[0], rtol=1e-6)
+    (dx,) = _run(build_gradient_graph(fused, "loss", ["x"]), {"x": x.numpy()}, ["x_grad"])
+    xd = x.double().requires_grad_(True)
+    reference = _Mlp("tanh").double()
+    reference.load_state_dict(module.state_dict())
+    reference.act = _FastGelu()
+    reference(xd).backward()
+    np.testing.assert_allclose(dx, xd.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
 def test_left_alone() -> None:
     # an intermediate read outside the pattern (a graph output)
     assert not _fused(_chain("tanh_pow", 20, extra_output="t"))[1]
     assert not _fused(_chain("erf_div", 17, extra_output="e"))[1]
     # another constant than 0.044715: not the GELU
     assert not _fused(_chain("tanh_pow", 20, c=0.05))[1]
+    for variant in ("tanh_fast", "tanh_fast_sq"):
+        assert not _fused(_chain(variant, 20, c=0.05))[1]
+        assert not _fused(_chain(variant, 17, extra_output="q"))[1]
     # float64 below opset 20: onnxruntime's contrib kernels are float32 only
     assert not _fused(_chain("erf_div", 17, dtype=TensorProto.DOUBLE))[1]
     assert _fused(_chain("erf_div", 20, dtype=TensorProto.DOUBLE))[1]

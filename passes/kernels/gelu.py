@@ -4,7 +4,8 @@ torch's legacy exporter (and any opset below 20) writes ``F.gelu`` as its formul
 
 * erf form: ``x * 0.5 * (1 + Erf(x / sqrt(2)))`` (5 nodes);
 * tanh form (``approximate="tanh"``, HF ``gelu_new``): ``0.5 * x * (1 + Tanh(sqrt(2 / pi) *
-  (x + 0.044715 * x ** 3)))`` (8 nodes).
+  (x + 0.044715 * x ** 3)))`` (8 nodes), or HF's ``gelu_fast``, the same function written
+  ``0.5 * x * (1 + Tanh(x * sqrt(2 / pi) * (1 + 0.044715 * x * x)))`` (9 nodes).
 
 In a training graph each node of the chain is a pass over the activation in the forward, keeps
 its output alive for the backward, and gets a gradient of its own (the tanh form's backward is
@@ -22,7 +23,8 @@ bfloat16), one finite element each, of a rank at most x's (a larger
 one would broadcast the result up), each a Constant node or an initializer that is not a graph
 input and not marked a parameter or buffer (``passes.exports.ClassifyWeightsPass``; a trained
 scalar that happens to hold 0.5 stays a weight); ``x / sqrt 2`` or ``x * (1 / sqrt 2)``; the cube as ``Pow(x, 3)``,
-``x * x * x`` in either association; the three factors ``x``, ``0.5`` and ``(1 + ...)`` of the
+``x * x * x`` in either association (``gelu_fast``: ``0.044715 * x * x`` in any association,
+multiplied by ``x * sqrt(2 / pi)``); the three factors ``x``, ``0.5`` and ``(1 + ...)`` of the
 result multiplied in any order and association; every intermediate read only inside the pattern
 (not in an If/Loop body) and not a graph output; ``x`` a float tensor (float32, or any float type for the standard op).
 """
@@ -170,6 +172,43 @@ class _Match:
                 return x, [scaled, add, mul, *found[1]]
         return None
 
+    def fast_tanh_input(self, tanh: ir.Node) -> tuple[ir.Value, list[ir.Node]] | None:
+        """x of ``Tanh((x * sqrt(2/pi)) * (1 + 0.044715 * x * x))`` (HF's ``gelu_fast``), the
+        products in any order."""
+        scaled = _op(tanh.inputs[0], "Mul")
+        if scaled is None or not only_use(tanh.inputs[0], self.graph, tanh):
+            return None
+        for p, q in (scaled.inputs, scaled.inputs[::-1]):
+            xk, add = _op(p, "Mul"), _op(q, "Add")
+            if xk is None or add is None or not only_use(p, self.graph, scaled) \
+                    or not only_use(q, self.graph, scaled):
+                continue
+            x = _pair(xk, lambda v: self.near(v, _TANH_K))
+            term = _pair(add, lambda v: self.near(v, 1.0))
+            if x is None or term is None or not only_use(term, self.graph, add):
+                continue
+            square = self.scaled_square(term, x)
+            if square is not None:
+                return x, [scaled, xk, add, *square]
+        return None
+
+    def scaled_square(self, value: ir.Value, x: ir.Value) -> list[ir.Node] | None:
+        """The nodes of ``value = 0.044715 * x * x`` in any order and association."""
+        node = _op(value, "Mul")
+        if node is None:
+            return None
+        a, b = node.inputs
+        for inner, single in ((a, b), (b, a)):  # (0.044715 * x) * x
+            scaled_x = _op(inner, "Mul")
+            if single is x and scaled_x is not None and only_use(inner, self.graph, node) \
+                    and _pair(scaled_x, lambda v: self.near(v, _TANH_A)) is x:
+                return [scaled_x, node]
+        square = _pair(node, lambda v: self.near(v, _TANH_A))  # 0.044715 * (x * x)
+        sq = _op(square, "Mul")
+        if sq is not None and sq.inputs[0] is sq.inputs[1] is x and only_use(square, self.graph, node):
+            return [sq, node]
+        return None
+
     def product(self, one_plus: ir.Value, x: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
         """(output, nodes) of ``x * 0.5 * one_plus`` in any order and association."""
         nodes: list[ir.Node] = []
@@ -199,7 +238,8 @@ class _Match:
     def gelu(self, node: ir.Node) -> tuple[ir.Value, ir.Value, list[ir.Node], str] | None:
         """(x, output, nodes, approximate) of a GELU whose Erf or Tanh is ``node``."""
         self.const_rank = 0
-        found = self.erf_input(node) if node.op_type == "Erf" else self.tanh_input(node)
+        found = self.erf_input(node) if node.op_type == "Erf" else \
+            (self.tanh_input(node) or self.fast_tanh_input(node))
         if found is None:
             return None
         x, before = found
