@@ -227,6 +227,17 @@ def contrib_gelu(draw, op):
                 custom=_numpy_oracle(forward))
 
 
+@case("com.microsoft::QuickGelu")
+def contrib_quick_gelu(draw, op):
+    """x * sigmoid(alpha x), onnxruntime's float32 kernel; alpha its default or drawn."""
+    rng = rng_of(draw)
+    x = uniform(rng, draw(shape_st()), -4, 4, np.float32)
+    attrs = {"alpha": draw(st.sampled_from([1.702, 0.5, -1.3]))} if draw(st.booleans()) else {}
+    alpha = attrs.get("alpha", 1.702)
+    forward = lambda inputs, _attrs: np.asarray(inputs["x"] / (1.0 + np.exp(-alpha * inputs["x"])))  # noqa: E731
+    return Spec(op, [("x", x)], ("x",), attrs, domain="com.microsoft", custom=_numpy_oracle(forward))
+
+
 @case("Cast")
 def cast(draw, op):
     rng, dtype = rng_of(draw), draw(DTYPES)

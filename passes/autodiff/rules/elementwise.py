@@ -225,6 +225,16 @@ def _ms_bias_gelu(b, n, g):
     return [dx, dx]
 
 
+@grad_rule("QuickGelu", domain="com.microsoft")
+def _ms_quick_gelu(b, n, g):
+    """QuickGelu(x) = x * sigmoid(alpha x) (CLIP's activation, alpha 1.702 by default):
+    ``s (1 + alpha x (1 - s))`` with ``s = sigmoid(alpha x)``."""
+    x = n.inputs[0]
+    alpha = float(n.attr("alpha", 1.702))
+    s = b.Sigmoid(x * alpha)
+    return [g[0] * (s * (x * (1.0 - s) * alpha + 1.0))]
+
+
 # Node metadata that says how Clip treats x exactly at a bound (set from an exporter's record of
 # the source op, see passes.exports.torch_conventions): "closed" passes the gradient there.
 CLIP_BOUNDS_KEY = "gradgraph.clip_bounds"
