@@ -348,6 +348,33 @@ def matmul(draw, op):
     return Spec(op, inputs, draw(st.sampled_from([("a", "c"), ("a",), ("c",)])), opset=opset_for(draw, op))
 
 
+@case("com.microsoft::FusedMatMul")
+def fused_matmul(draw, op):
+    """onnxruntime's float32 FusedMatMul: alpha * op(A) @ op(B), 2-4-D, broadcast batch dims,
+    transA / transB drawn (1-D operands without them)."""
+    rng = rng_of(draw)
+    ra, rc = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    m, k, n = (draw(st.integers(1, MAX_SIDE)) for _ in range(3))
+    ta = draw(st.integers(0, 1)) if ra > 1 else 0
+    tb = draw(st.integers(0, 1)) if rc > 1 else 0
+    out_batch = draw(shape_st(max(ra, rc) - 2, max(ra, rc) - 2, 1, 3)) if max(ra, rc) > 2 else ()
+    sa = (k,) if ra == 1 else _batch_dims(draw, ra, out_batch) + ((k, m) if ta else (m, k))
+    sc = (k,) if rc == 1 else _batch_dims(draw, rc, out_batch) + ((n, k) if tb else (k, n))
+    attrs = {"transA": ta, "transB": tb}
+    if draw(st.booleans()):
+        attrs["alpha"] = draw(st.sampled_from([0.125, -1.5, 2.0]))
+    inputs = [("a", uniform(rng, sa, -1, 1, np.float32)), ("c", uniform(rng, sc, -1, 1, np.float32))]
+
+    def forward(values, attrs):
+        a, c = values["a"], values["c"]
+        a = np.swapaxes(a, -1, -2) if attrs["transA"] else a
+        c = np.swapaxes(c, -1, -2) if attrs["transB"] else c
+        return np.asarray(attrs.get("alpha", 1.0) * np.matmul(a, c))
+
+    return Spec(op, inputs, draw(st.sampled_from([("a", "c"), ("a",), ("c",)])), attrs,
+                domain="com.microsoft", custom=_numpy_oracle(forward))
+
+
 @case("Gemm")
 def gemm(draw, op):
     rng, dtype = rng_of(draw), draw(DTYPES)

@@ -9,7 +9,8 @@
    training-mode BatchNormalization updates (graph outputs ``<stat>.out``: onnxruntime's
    optimizer computes a training-mode BatchNormalization whose statistics go unused as an
    inference one);
-4. sort topologically, type sequence outputs, infer types and shapes (rules read them).
+4. sort topologically, type sequence outputs, infer types and shapes (rules read them; through
+   onnxruntime's contrib ops too, :mod:`passes.forward.contrib_shapes`).
 
 Initializers, graph inputs and outputs are kept: the forward model computes what it did.
 """
@@ -22,6 +23,7 @@ from onnx_ir.passes import InPlacePass, PassError, PassResult, Sequential
 
 from passes.autodiff.errors import unwrap_pass_errors
 from passes.exports import ClassifyWeightsPass, RecoverParametersPass, TorchConventionsPass
+from passes.forward.contrib_shapes import ContribShapesPass
 from passes.forward.expose_dropout_mask import ExposeDropoutMaskPass
 from passes.forward.expose_norm_stats import ExposeNormStatsPass
 from passes.forward.expose_running_stats import ExposeRunningStatsPass
@@ -49,6 +51,7 @@ class PrepareForGradientPass(InPlacePass):
             ExposeNormStatsPass(),
             TypeSequenceOutputsPass(),
             common.ShapeInferencePass(strict_mode=False),
+            ContribShapesPass(),  # through onnxruntime's contrib ops, which onnx does not know
             TypeSequenceOutputsPass(),  # what inference typed as tensors (element dtype unknown before)
         )
         try:

@@ -1,6 +1,9 @@
-"""Gradients of MatMul (N-D, broadcast batch dims, 1-D operands), Gemm and Einsum."""
+"""Gradients of MatMul (N-D, broadcast batch dims, 1-D operands), onnxruntime's FusedMatMul,
+Gemm and Einsum."""
 
 from __future__ import annotations
+
+import onnx_ir as ir
 
 from passes.autodiff.registry import grad_rule
 
@@ -14,10 +17,51 @@ def _swap_last(b, x, rank):
 @grad_rule("MatMul")
 def _matmul(b, n, g):
     a, c = n.inputs
-    ra, rc = a.rank, c.rank
-    if ra is None or rc is None:
+    if a.rank is None or c.rank is None:
         raise ValueError("MatMul gradient needs the operand ranks (run shape inference)")
-    go = g[0]
+    return _matmul_grads(b, a, c, n.outputs[0].shape, g[0], n.needs_grad(0), n.needs_grad(1))
+
+
+@grad_rule("FusedMatMul", domain="com.microsoft")
+def _fused_matmul(b, n, g):
+    """onnxruntime's ``FusedMatMul`` (its optimizer's MatMul with a Transpose or a scale folded
+    in): ``alpha * op(A) @ op(B)``, ``op`` swapping the last two axes where transA / transB say.
+    The MatMul gradient of the transposed operands, transposed back."""
+    a, c = n.inputs[0], n.inputs[1]
+    if n.attr("transBatchA", 0) or n.attr("transBatchB", 0):
+        raise ValueError("FusedMatMul gradient with transBatchA / transBatchB is not supported")
+    ta, tb, alpha = n.attr("transA", 0), n.attr("transB", 0), float(n.attr("alpha", 1.0))
+    if a.rank is None or c.rank is None:
+        raise ValueError("FusedMatMul gradient needs the operand ranks (run shape inference)")
+    if (ta and a.rank < 2) or (tb and c.rank < 2):
+        raise ValueError("FusedMatMul gradient: transA / transB on a 1-D operand")
+    a2 = _swapped_operand(b, a) if ta else a
+    c2 = _swapped_operand(b, c) if tb else c
+    go = g[0] if alpha == 1.0 else g[0] * alpha
+    da, dc = _matmul_grads(b, a2, c2, n.outputs[0].shape, go, n.needs_grad(0), n.needs_grad(1))
+    if da is not None and ta:
+        da = _swap_last(b, da, a.rank)
+    if dc is not None and tb:
+        dc = _swap_last(b, dc, c.rank)
+    return [da, dc]
+
+
+def _swapped_operand(b, x):
+    """``x`` with its last two axes swapped, its shape known as ``x``'s is (the MatMul gradient
+    reads operand ranks and shapes)."""
+    out = _swap_last(b, x, x.rank)
+    if x.value.shape is not None:
+        dims = list(x.value.shape)
+        dims[-1], dims[-2] = dims[-2], dims[-1]
+        out.value.shape = ir.Shape(dims)
+    out.value.type = x.value.type
+    return out
+
+
+def _matmul_grads(b, a, c, out_shape, go, need_a: bool, need_c: bool):
+    """The gradients of ``MatMul(a, c)`` (N-D, broadcast batch dims, 1-D operands) for the
+    output gradient ``go``; None where not needed."""
+    ra, rc = a.rank, c.rank
     # Promote 1-D operands as the MatMul spec does, and the output gradient with them.
     a2 = b.Unsqueeze(a, [0]) if ra == 1 else a
     c2 = b.Unsqueeze(c, [1]) if rc == 1 else c
@@ -27,10 +71,10 @@ def _matmul(b, n, g):
         go = b.Unsqueeze(go, [-1])
     ra2, rc2 = max(ra, 2), max(rc, 2)
     out_rank = max(ra2, rc2)
-    batch = (n.outputs[0].shape or [None] * out_rank)
+    batch = (out_shape or [None] * out_rank)
     batch = list(batch[: out_rank - 2]) if ra > 1 and rc > 1 else [None] * (out_rank - 2)
     da = dc = None
-    if n.needs_grad(0):
+    if need_a:
         if rc2 == 2 and ra2 > 2:
             da = b.MatMul(go, _swap_last(b, c2, 2))
         else:
@@ -38,7 +82,7 @@ def _matmul(b, n, g):
             da = b.unbroadcast(da, batch + (a2.shape or [None, None])[-2:] if ra > 1 else None, a2)
         if ra == 1:
             da = b.Reshape(da, b.Shape(a))
-    if n.needs_grad(1):
+    if need_c:
         if rc2 == 2 and ra2 > 2:
             # Linear layer: fold the batch dims of A and G into rows, one 2-D MatMul.
             a_rows = b.Reshape(a2, b.Concat([-1], b.dim(a2, -1), axis=0))

@@ -1,0 +1,133 @@
+"""ContribShapesPass: shapes through the onnxruntime contrib ops that have gradient rules.
+
+onnx's shape inference does not know the ``com.microsoft`` ops, so in a model that
+onnxruntime's optimizer saved (``SessionOptions.optimized_model_filepath``, its transformer
+optimizer) the outputs of FusedMatMul, Gelu, FastGelu, BiasGelu and QuickGelu, and every value
+computed from them, have no shape; rules that need a rank (MatMul's, Softmax's, ...) then
+fail. This pass walks the graph in order once: a contrib op's output gets the shape its
+formula gives from its inputs' (FusedMatMul: a MatMul of the operands with the last two axes
+swapped where transA / transB say; the GELUs: their input's), and a later default-domain node
+whose outputs still have no shape gets onnx's inference of that one node
+(``onnx.shape_inference.infer_node_outputs``, with the constant inputs it reads). It runs only
+where a contrib node's output has no shape: other graphs are left as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+MS_DOMAIN = "com.microsoft"
+_SAME_SHAPE = frozenset({"Gelu", "FastGelu", "BiasGelu", "QuickGelu"})
+
+
+def _broadcast_dim(x, y):  # type: ignore[no-untyped-def]
+    """The broadcast of two dims; None (unknown) where a symbolic one may be 1 or not."""
+    if x == y:
+        return x
+    if x == 1:
+        return y
+    if y == 1:
+        return x
+    if isinstance(x, int) and isinstance(y, int):
+        return None  # they do not broadcast: onnxruntime refuses the run
+    if isinstance(x, int) and x > 1:
+        return x
+    if isinstance(y, int) and y > 1:
+        return y
+    return None
+
+
+def _matmul_shape(a: Sequence, c: Sequence, trans_a: bool, trans_c: bool) -> list | None:
+    a, c = list(a), list(c)
+    if (trans_a and len(a) < 2) or (trans_c and len(c) < 2) or not a or not c:
+        return None
+    if trans_a:
+        a[-1], a[-2] = a[-2], a[-1]
+    if trans_c:
+        c[-1], c[-2] = c[-2], c[-1]
+    squeeze_a, squeeze_c = len(a) == 1, len(c) == 1
+    a = [1, *a] if squeeze_a else a
+    c = [*c, 1] if squeeze_c else c
+    batch_a, batch_c = a[:-2], c[:-2]
+    n = max(len(batch_a), len(batch_c))
+    batch_a = [1] * (n - len(batch_a)) + batch_a
+    batch_c = [1] * (n - len(batch_c)) + batch_c
+    batch = [_broadcast_dim(x, y) for x, y in zip(batch_a, batch_c)]
+    out = [*batch, a[-2], c[-1]]
+    if squeeze_c:
+        out.pop(-1)
+    if squeeze_a:
+        out.pop(-2 if not squeeze_c else -1)
+    return out
+
+
+def _contrib_shape(node: ir.Node) -> ir.Shape | None:
+    shapes = [v.shape if v is not None else None for v in node.inputs]
+    if node.op_type in _SAME_SHAPE and shapes and shapes[0] is not None:
+        return ir.Shape(list(shapes[0]))
+    if node.op_type == "FusedMatMul" and len(shapes) >= 2 and shapes[0] is not None and shapes[1] is not None:
+        if node.attributes.get_int("transBatchA", 0) or node.attributes.get_int("transBatchB", 0):
+            return None
+        dims = _matmul_shape(list(shapes[0]), list(shapes[1]), bool(node.attributes.get_int("transA", 0)),
+                             bool(node.attributes.get_int("transB", 0)))
+        return ir.Shape(dims) if dims is not None else None
+    return None
+
+
+def _infer_one(node: ir.Node, opsets: dict[str, int]) -> None:
+    """onnx's inference of ``node`` alone, from its inputs' types and constants."""
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
+    except onnx.defs.SchemaError:
+        return
+    inputs = [v for v in node.inputs if v is not None]
+    if any(v.type is None for v in inputs):
+        return
+    types = {v.name or "": ir.serde.serialize_value(v).type for v in inputs}
+    data = {v.name or "": ir.serde.serialize_tensor(v.const_value) for v in inputs
+            if v.const_value is not None and v.const_value.size <= 64}
+    try:
+        found = onnx.shape_inference.infer_node_outputs(schema, ir.serde.serialize_node(node), types, data,
+                                                        opset_imports=[onnx.helper.make_opsetid(d, v)
+                                                                       for d, v in opsets.items()])
+    except Exception:  # noqa: BLE001 - an op onnx cannot infer alone keeps its unknown shape
+        return
+    for value in node.outputs:
+        proto = found.get(value.name or "")
+        if proto is None or proto.WhichOneof("value") != "tensor_type":
+            continue
+        if value.type is None:
+            value.type = ir.serde.deserialize_type_proto_for_type(proto)
+        if value.shape is None:
+            value.shape = ir.serde.deserialize_type_proto_for_shape(proto)
+
+
+class ContribShapesPass(InPlacePass):
+    """See the module docstring."""
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        if not any(n.domain == MS_DOMAIN and any(v.shape is None for v in n.outputs) for n in graph):
+            return PassResult(model, False)
+        opsets = {"" if d == "ai.onnx" else d: v for d, v in model.opset_imports.items()}
+        modified = False
+        for node in graph:
+            if all(v.shape is not None for v in node.outputs):
+                continue
+            if node.domain == MS_DOMAIN:
+                shape = _contrib_shape(node)
+                if shape is not None and node.outputs[0].shape is None:
+                    node.outputs[0].shape = shape
+                    if node.outputs[0].type is None and node.inputs[0] is not None:
+                        node.outputs[0].type = node.inputs[0].type
+                    modified = True
+            elif node.domain in ("", "ai.onnx") and all(v.shape is not None for v in node.inputs if v is not None):
+                before = [v.shape for v in node.outputs]
+                _infer_one(node, opsets)
+                modified |= [v.shape for v in node.outputs] != before
+        return PassResult(model, modified)

@@ -1,0 +1,72 @@
+"""A model saved by onnxruntime's graph optimizer (``SessionOptions.optimized_model_filepath``)
+keeps its gradients: the contrib ops that optimizer writes (FusedMatMul from a MatMul with a
+Transpose or a scale folded in, FastGelu) have rules, and the gradients of the optimized model
+equal those of the original (float32, rtol 1e-5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from gradgraph import build_gradient_graph
+
+
+def _original() -> onnx.ModelProto:
+    mk = helper.make_node
+    nodes = [mk("Transpose", ["W"], ["Wt"], perm=[1, 0]), mk("MatMul", ["x", "Wt"], ["h"]),
+             mk("Mul", ["h", "scale"], ["hs"]), mk("Transpose", ["hs"], ["ht"], perm=[0, 2, 1]),
+             mk("MatMul", ["ht", "x"], ["y"]), mk("ReduceSumSquare", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4]),
+         helper.make_tensor_value_info("W", TensorProto.FLOAT, [5, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [helper.make_tensor("scale", TensorProto.FLOAT, [], [0.125])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _optimized(model: onnx.ModelProto, tmp_path: Path) -> onnx.ModelProto:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return onnx.load(opts.optimized_model_filepath)
+
+
+def _grads(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    grad_model = build_gradient_graph(model, "loss", ["x", "W"])
+    session = ort.InferenceSession(grad_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["x_grad", "W_grad"], feeds)
+
+
+def test_fused_matmul_of_an_optimized_model(tmp_path: Path) -> None:
+    original = _original()
+    optimized = _optimized(original, tmp_path)
+    fused = [n for n in optimized.graph.node if n.op_type == "FusedMatMul"]
+    assert fused, [n.op_type for n in optimized.graph.node]  # the case this test is about
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32),
+             "W": rng.standard_normal((5, 4)).astype(np.float32)}
+    for got, want in zip(_grads(optimized, feeds), _grads(original, feeds), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_matmul_shapes_are_numpy_matmul_shapes() -> None:
+    from passes.forward.contrib_shapes import _matmul_shape
+
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        ra, rc = rng.integers(1, 5, 2)
+        m, k, n = rng.integers(1, 4, 3)
+        batch = list(rng.integers(1, 3, max(ra, rc) - 2)) if max(ra, rc) > 2 else []
+        a = [k] if ra == 1 else [d if rng.random() < 0.7 else 1 for d in batch[len(batch) - (ra - 2):]] + [m, k]
+        c = [k] if rc == 1 else [d if rng.random() < 0.7 else 1 for d in batch[len(batch) - (rc - 2):]] + [k, n]
+        ta, tc = ra > 1 and rng.random() < 0.5, rc > 1 and rng.random() < 0.5
+        stored_a = a[:-2] + [a[-1], a[-2]] if ta else a
+        stored_c = c[:-2] + [c[-1], c[-2]] if tc else c
+        want = list(np.matmul(np.zeros(a), np.zeros(c)).shape)
+        assert _matmul_shape(stored_a, stored_c, ta, tc) == want, (stored_a, stored_c, ta, tc)
