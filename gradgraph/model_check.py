@@ -24,6 +24,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from passes.autodiff import GradientError
+from passes.forward.contrib_shapes import ORT_DEFAULT_DOMAIN_OPS
 
 # Refuse tensors claiming more elements than this (2**34: 64 GiB of float32).
 MAX_ELEMENTS = 2**34
@@ -104,7 +105,8 @@ def _check_graph(graph: onnx.GraphProto, source: str, top: bool) -> None:
         if not all(isinstance(t, str) for t in texts):
             raise GradientError(f"{source}: node #{index} has an op type or name that is not valid "
                                 "UTF-8 text; the file is damaged")
-        if node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type):
+        if node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type) \
+                and node.op_type not in ORT_DEFAULT_DOMAIN_OPS:
             raise GradientError(f"{source}: node {_label(node, index)} uses op {node.op_type!r}, "
                                 "which ONNX does not define (a custom op needs its own domain)")
     if top:

@@ -1794,6 +1794,19 @@ def rms_norm(draw, op):
     return Spec(op, inputs, _subset(draw, ["x", "scale"]), attrs, opset=opset_for(draw, op, 23, (23, 24)))
 
 
+@other("SimplifiedLayerNormalization")
+def simplified_layer_norm(draw, op):
+    """onnxruntime's RMS norm (default domain, opset-independent): its kernel takes a scale of the
+    normalized shape only."""
+    rng, dtype = rng_of(draw), draw(DTYPES)
+    shape = draw(shape_st(1))
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    inputs = [("x", uniform(rng, shape, -2, 2, dtype)),
+              ("scale", uniform(rng, shape[axis % len(shape):], 0.5, 1.5, dtype))]
+    attrs = {"axis": axis, "epsilon": draw(st.sampled_from([1e-5, 1e-2]))}
+    return Spec(op, inputs, _subset(draw, ["x", "scale"]), attrs, opset=draw(st.sampled_from(OPSETS)))
+
+
 @other("RotaryEmbedding")
 def rotary_embedding(draw, op):
     """4-D (B, H, S, D) or 3-D (B, S, H * D) x; cos / sin per (batch, position) or a cache

@@ -70,3 +70,31 @@ def test_fused_matmul_shapes_are_numpy_matmul_shapes() -> None:
         stored_c = c[:-2] + [c[-1], c[-2]] if tc else c
         want = list(np.matmul(np.zeros(a), np.zeros(c)).shape)
         assert _matmul_shape(stored_a, stored_c, ta, tc) == want, (stored_a, stored_c, ta, tc)
+
+
+def test_llama_style_rms_norm_before_opset_23() -> None:
+    """onnxruntime's default-domain SimplifiedLayerNormalization feeding a MatMul (whose rule
+    needs the rank the contrib shapes give): gradients against float64 torch."""
+    import torch
+
+    mk = helper.make_node
+    graph = helper.make_graph(
+        [mk("SimplifiedLayerNormalization", ["x", "g"], ["n"], axis=-1, epsilon=1e-6),
+         mk("MatMul", ["n", "W"], ["y"]), mk("ReduceSumSquare", ["y"], ["loss"], keepdims=0)],
+        "rms", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8]),
+                helper.make_tensor_value_info("g", TensorProto.FLOAT, [8]),
+                helper.make_tensor_value_info("W", TensorProto.FLOAT, [8, 5])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal((2, 3, 8)).astype(np.float32),
+             "g": rng.uniform(0.5, 1.5, 8).astype(np.float32),
+             "W": rng.standard_normal((8, 5)).astype(np.float32)}
+    grad_model = build_gradient_graph(model, "loss", ["x", "g", "W"])
+    session = ort.InferenceSession(grad_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(["x_grad", "g_grad", "W_grad"], feeds)
+    x, g, w = (torch.tensor(feeds[k], dtype=torch.float64, requires_grad=True) for k in ("x", "g", "W"))
+    n = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * g
+    ((n @ w) ** 2).sum().backward()
+    for ours, ref in zip(got, (x.grad, g.grad, w.grad), strict=True):
+        np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-4, atol=1e-4)

@@ -3,7 +3,8 @@
 onnx's shape inference does not know the ``com.microsoft`` ops, so in a model that
 onnxruntime's optimizer saved (``SessionOptions.optimized_model_filepath``, its transformer
 optimizer) the outputs of FusedMatMul, Gelu, FastGelu, BiasGelu and QuickGelu, and every value
-computed from them, have no shape; rules that need a rank (MatMul's, Softmax's, ...) then
+computed from them, have no shape (as do those of ``SimplifiedLayerNormalization``, the RMS
+norm onnxruntime defines in the default domain); rules that need a rank (MatMul's, Softmax's, ...) then
 fail. This pass walks the graph in order once: a contrib op's output gets the shape its
 formula gives from its inputs' (FusedMatMul: a MatMul of the operands with the last two axes
 swapped where transA / transB say; the GELUs: their input's), and a later default-domain node
@@ -21,7 +22,15 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 MS_DOMAIN = "com.microsoft"
-_SAME_SHAPE = frozenset({"Gelu", "FastGelu", "BiasGelu", "QuickGelu"})
+# Ops onnxruntime defines in the default domain though ONNX does not (its RMS norm before opset
+# 23, written by its optimizers and LLaMA-style exports): they load in stock onnxruntime.
+ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+_SAME_SHAPE = frozenset({"Gelu", "FastGelu", "BiasGelu", "QuickGelu", "SimplifiedLayerNormalization"})
+
+
+def _is_contrib(node: ir.Node) -> bool:
+    """An onnxruntime op that onnx's shape inference does not know."""
+    return node.domain == MS_DOMAIN or (node.domain in ("", "ai.onnx") and node.op_type in ORT_DEFAULT_DOMAIN_OPS)
 
 
 def _broadcast_dim(x, y):  # type: ignore[no-untyped-def]
@@ -112,14 +121,14 @@ class ContribShapesPass(InPlacePass):
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
-        if not any(n.domain == MS_DOMAIN and any(v.shape is None for v in n.outputs) for n in graph):
+        if not any(_is_contrib(n) and any(v.shape is None for v in n.outputs) for n in graph):
             return PassResult(model, False)
         opsets = {"" if d == "ai.onnx" else d: v for d, v in model.opset_imports.items()}
         modified = False
         for node in graph:
             if all(v.shape is not None for v in node.outputs):
                 continue
-            if node.domain == MS_DOMAIN:
+            if _is_contrib(node):
                 shape = _contrib_shape(node)
                 if shape is not None and node.outputs[0].shape is None:
                     node.outputs[0].shape = shape

@@ -308,6 +308,17 @@ def _rms_norm(b, n, g):
     return [dx, dscale]
 
 
+@grad_rule("SimplifiedLayerNormalization")
+def _simplified_layer_norm(b, n, g):
+    """onnxruntime's RMS norm before opset 23 (default domain, written by its optimizers and by
+    LLaMA-style exports): RMSNormalization's formula and attributes; its optional second
+    output, the inverse RMS, is a statistic no loss reads through."""
+    if len(g) > 1 and g[1] is not None:
+        raise ValueError("a loss reads SimplifiedLayerNormalization's inverse RMS output; its gradient "
+                         "through that output is not supported")
+    return _rms_norm(b, n, g[:1])
+
+
 @grad_rule("MeanVarianceNormalization", since=13)
 def _mean_variance_norm(b, n, g):
     """y = (x - mean) / (std + 1e-9) over ``axes`` (the epsilon of the op's function body)."""
