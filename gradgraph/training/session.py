@@ -80,10 +80,21 @@ def _device_of(providers: Sequence[Any]) -> tuple[str, int]:
     return "cpu", 0
 
 
-def _run_error(exc: BaseException, what: str) -> InputError:
-    """onnxruntime's failure on the values fed, as one line (its source location dropped)."""
+# onnxruntime's words for a kernel it lacks (a type or attribute its provider does not run):
+# the graph's limit on this runtime, not the feeds'.
+_NOT_IMPLEMENTED = re.compile(r"not supported|NOT_IMPLEMENTED|not implemented|Could not find an implementation",
+                              re.IGNORECASE)
+
+
+def _run_error(exc: BaseException, what: str) -> GradientError:
+    """onnxruntime's failure on the values fed, as one line (its source location dropped): an
+    :class:`InputError` (the feeds), or a :class:`GradientError` where onnxruntime lacks a kernel."""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     message = re.sub(r"\S*onnxruntime_src\S*:\d+ .*?\] ", "", message)[:400]
+    if _NOT_IMPLEMENTED.search(message):
+        return GradientError(f"onnxruntime cannot run {what}: {message} (its provider has no kernel "
+                             "for this op and type; run the model in another type or on another "
+                             "provider)")
     return InputError(f"onnxruntime could not run {what} on these feeds: {message} (is a value "
                       "outside what the model accepts, such as a class label or an index out of "
                       "range?)")

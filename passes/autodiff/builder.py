@@ -24,6 +24,10 @@ _BOOL_OPS = frozenset(
 CASTLIKE_SINCE = 15
 RESHAPE_ALLOWZERO_SINCE = 14
 
+# Scatters with a ``reduction``: see OpBuilder.op for their half-precision inputs.
+_SCATTERS = frozenset({"ScatterND", "ScatterElements"})
+_HALF_TYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
 
 def _is_literal_shape(shape: Var | None, opset: int) -> bool:
     """``shape`` is a ``Shape`` output (no -1; a 0 means 0) and Reshape has ``allowzero``."""
@@ -291,6 +295,15 @@ class OpBuilder:
         """Append one node; ``_like`` gives the dtype of Python-number inputs."""
         like = _like.dtype if _like is not None else _float_dtype(inputs)
         vars_ = [None if x is None else self._to_var(x, like) for x in inputs]
+        if op_type in _SCATTERS and not _domain and attrs.get("reduction", "none") != "none" \
+                and vars_[0] is not None and vars_[0].dtype in _HALF_TYPES:
+            # onnxruntime's CPU scatters do not reduce in float16 / bfloat16 ("MLFloat16 data type
+            # is not supported with ScatterND opset 16 when reduction is 'add'"): accumulate in
+            # float32 (more exact too), then cast back.
+            half = vars_[0].known_dtype
+            wide = self.op(op_type, self.Cast(vars_[0], to=int(ir.DataType.FLOAT)), vars_[1],
+                           self.Cast(vars_[2], to=int(ir.DataType.FLOAT)), _outputs=_outputs, **attrs)
+            return self.Cast(wide, to=int(half))
         if op_type == "CastLike" and not _domain and (
                 self.opset < CASTLIKE_SINCE or (vars_[1] is not None and vars_[1].dtype is not None)):
             # Cast to a known dtype: a CastLike would read ``like`` only for its dtype, and so keep

@@ -19,8 +19,10 @@ Step scalars (bias corrections, ``lr / bc1``) are computed in float64 like torch
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import ClassVar
 
+import numpy as np
 import onnx_ir as ir
 
 from passes.autodiff.builder import OpBuilder, Var
@@ -66,9 +68,20 @@ class AdamWConfig(AdamConfig):
         return True
 
 
+def _warn_if_eps_vanishes(cfg: AdamConfig, dt: ir.DataType) -> None:
+    """eps that rounds to 0 in the weights' type: an entry whose gradient has always been 0 has
+    m = v = 0, and 0 / (0 + 0) is NaN (as in torch): the step is non-finite, so skipped."""
+    if dt in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) and float(np.asarray(cfg.eps, dt.numpy())) == 0.0:
+        warnings.warn(f"{type(cfg).__name__}(eps={cfg.eps}) is 0 in {dt.name.lower()}: an entry whose gradient "
+                      "is 0 makes the update 0 / 0 = NaN and the step is skipped as non-finite; use eps >= "
+                      "1e-7 in float16 (1e-4 is common), or float32 weights with mixed precision",
+                      stacklevel=2)
+
+
 def adam_update(b: OpBuilder, cfg: AdamConfig, w: Var, g: Var, state: dict[str, Var],
                 sc: StepScalars, lr_scale: float) -> tuple[Var, dict[str, Var]]:
     dt = w.known_dtype
+    _warn_if_eps_vanishes(cfg, dt)
     lr64 = sc.lr64(lr_scale)
     if cfg.decay_after_update:
         return _adam_hf_update(b, cfg, w, g, state, sc, lr64)
