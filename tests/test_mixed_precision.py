@@ -321,12 +321,14 @@ if graph_strategies is not None:
 
 
 def test_training_probe_needs_the_gradient_kernels_too() -> None:
-    """onnxruntime's CPU provider runs Gather in fp16 but not the ScatterND(add) of its
-    gradient: the training probe says no, the forward probe yes; MatMul is yes for both."""
+    """onnxruntime's CPU provider runs Gather in fp16 but not a ScatterND(add) in fp16: the
+    gradient's scatter accumulates in float32 (passes/autodiff/builder.py), so the training
+    probe, which runs the gradient too, says yes; MaxPool has no fp16 CPU kernel at all."""
     from gradgraph.kernels import kernel_predicate, training_kernel_predicate
 
     forward = kernel_predicate(["CPUExecutionProvider"])
     training = training_kernel_predicate(["CPUExecutionProvider"])
     assert forward("Gather", "", ir.DataType.FLOAT16)
-    assert not training("Gather", "", ir.DataType.FLOAT16)
+    assert training("Gather", "", ir.DataType.FLOAT16)
+    assert not forward("MaxPool", "", ir.DataType.FLOAT16) and not training("MaxPool", "", ir.DataType.FLOAT16)
     assert forward("MatMul", "", ir.DataType.FLOAT16) and training("MatMul", "", ir.DataType.FLOAT16)
