@@ -1182,3 +1182,37 @@ def test_an_output_torch_computes_without_grad_gets_none_in_the_graph_either():
     _close(out_mine, out_ref)
     with pytest.raises(RuntimeError, match="does not require grad"):
         out_mine.sum().backward()
+
+
+class _Outer(torch.nn.Module):
+    """A plain module holding ``enc`` (an ORTModule or not) and a head of its own."""
+
+    def __init__(self, enc: torch.nn.Module) -> None:
+        super().__init__()
+        self.enc = enc
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x)).logsumexp(-1).mean()
+
+
+def test_a_nested_ortmodule_loads_its_own_state_dict_and_a_torch_one() -> None:
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8))
+    torch.manual_seed(1)
+    plain = _Outer(copy.deepcopy(inner))
+    torch.manual_seed(2)
+    wrapped = _Outer(ORTModule(copy.deepcopy(inner), fallback="raise"))
+    x = torch.randn(5, 4)
+    wrapped(x).backward()  # built and run once before the loads
+    assert list(wrapped.state_dict()) == list(plain.state_dict())  # torch's own key names
+    wrapped.load_state_dict(wrapped.state_dict())  # round trip (failed: "_original_module" keys)
+    wrapped.load_state_dict(plain.state_dict())  # a plain torch checkpoint, strict
+    for a, b in zip(plain.state_dict().values(), wrapped.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    _close(wrapped(x), plain(x), "loss after loading torch's weights")
+    torch.manual_seed(3)
+    other = _Outer(copy.deepcopy(inner))
+    other.load_state_dict(wrapped.state_dict())  # and the other way
+    with pytest.raises(RuntimeError, match="Missing key"):
+        wrapped.load_state_dict({k: v for k, v in plain.state_dict().items() if k != "enc.0.weight"})

@@ -861,6 +861,16 @@ def _set_log_level(level: LogLevel) -> None:
         logger.addHandler(handler)
 
 
+def _keys_of_wrapped_module(state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """An ORTModule inside another module: its ``state_dict`` names the wrapped module's tensors
+    without ``_original_module.`` (as ``ORTModule.state_dict`` does), and torch's recursive load
+    reaches them through that child: the keys under ``prefix`` move there, so a model holding an
+    ORTModule loads its own state_dict, and a plain torch checkpoint of the same model."""
+    inner = prefix + "_original_module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
 class ORTModule(torch.nn.Module):
     """Wraps ``module``; forward and backward run in onnxruntime (module docstring)."""
 
@@ -889,6 +899,7 @@ class ORTModule(torch.nn.Module):
         self._used: dict[int, int] = {}
         self._hook_warned: set[str] = set()  # submodules whose forward hooks were warned about
         self._attr_warned: set[str] = set()  # attributes set by the forward, warned about
+        self._register_load_state_dict_pre_hook(_keys_of_wrapped_module)
         self._initialized = True  # from here on, new attributes go to the wrapped module
 
     def __getattr__(self, name: str) -> Any:
