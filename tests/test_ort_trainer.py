@@ -237,10 +237,9 @@ def test_batch_norm_running_statistics_follow_torch():
         opt.step()
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
     mine = trainer.state_dict(pytorch_format=True)
-    for name, value in ref.state_dict().items():  # running_mean and running_var included
-        if name.endswith("num_batches_tracked"):  # not a graph tensor
-            continue
+    for name, value in ref.state_dict().items():  # running_mean, running_var, num_batches_tracked
         np.testing.assert_allclose(mine[name].numpy(), value.numpy(), rtol=RTOL, atol=1e-7, err_msg=name)
+    assert int(mine["1.num_batches_tracked"]) == 4  # counted on the host, one per training forward
     assert float(ref[1].running_var.max()) != pytest.approx(1.0)  # the statistics moved
     # eval: the running statistics, not the batch's
     trainer_eval = trainer.eval_step(x, y)
@@ -338,6 +337,23 @@ def test_checkpoint_continues_bit_identically(tmp_path, accumulate):
     for name, value in ref["model"]["full_precision"].items():
         np.testing.assert_array_equal(mine["model"]["full_precision"][name], value)
     assert mine["train_step_info"] == ref["train_step_info"]
+
+
+def test_checkpoint_carries_num_batches_tracked(tmp_path):
+    def bn_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 4))
+
+    batches = _batches(5)
+    first = _trainer(optim.SGDConfig(lr=0.1), model=bn_model())
+    _losses(first, batches[:3])
+    first.save_checkpoint(tmp_path / "ckpt")
+    second = _trainer(optim.SGDConfig(lr=0.1), model=bn_model())
+    second.load_checkpoint(tmp_path / "ckpt")
+    assert _losses(second, batches[3:]) == _losses(first, batches[3:])
+    for trainer in (first, second):
+        assert int(trainer.state_dict(pytorch_format=True)["1.num_batches_tracked"]) == 5
 
 
 @pytest.mark.parametrize("route", ["state_dict", "checkpoint"])

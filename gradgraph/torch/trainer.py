@@ -485,6 +485,7 @@ class ORTTrainer:
         lr = scheduler._step(info)[0] if scheduler is not None else self.optim_config.lr
         loss = self.model_desc.loss
         _, out = session.train_step(feeds, lr, fetches=[o.name for o in self.model_desc.outputs])
+        self._count_batches()
         info.step += 1
         if session.micro_step == 0:
             info.optimization_step += 1
@@ -494,6 +495,32 @@ class ORTTrainer:
                               f"are not finite (loss {float(np.asarray(out[loss]).reshape(-1)[0])}); "
                               "the update was skipped", RuntimeWarning, stacklevel=2)
         return self._results(out)
+
+    def _count_batches(self) -> None:
+        """``num_batches_tracked`` of the module's BatchNorms, one more per training forward as
+        torch counts it: the graph updates the running statistics, this integer it does not hold
+        (``state_dict(pytorch_format=True)`` reads it from the module)."""
+        if self._torch_model is None:
+            return
+        for module in self._torch_model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats \
+                    and module.num_batches_tracked is not None:
+                module.num_batches_tracked.add_(1)
+
+    def _norms(self) -> dict[str, Any]:
+        if self._torch_model is None:
+            return {}
+        return {name: m for name, m in self._torch_model.named_modules()
+                if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.num_batches_tracked is not None}
+
+    def _batches_tracked(self) -> dict[str, int]:
+        return {name: int(m.num_batches_tracked) for name, m in self._norms().items()}
+
+    def _set_batches_tracked(self, counts: Mapping[str, Any]) -> None:
+        norms = self._norms()
+        for name, count in counts.items() if isinstance(counts, Mapping) else ():
+            if name in norms and isinstance(count, int):
+                norms[name].num_batches_tracked.fill_(count)
 
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """The eval graph (dropout off, BatchNorm inference) on the current weights."""
@@ -687,7 +714,8 @@ class ORTTrainer:
         meta = {"kind": _CHECKPOINT_KIND, "optimizer": self.optim_config.name,
                 "step": session.step, "micro_step": micro_step,
                 "optimization_step": info.optimization_step, "train_step": info.step,
-                "include_optimizer_states": include_optimizer_states, "user": dict(user_dict or {})}
+                "include_optimizer_states": include_optimizer_states, "user": dict(user_dict or {}),
+                "num_batches_tracked": self._batches_tracked()}
         write_checkpoint(path, state, meta)
 
     def load_checkpoint(self, *paths: str | os.PathLike, strict: bool = True) -> dict[str, Any]:
@@ -698,6 +726,7 @@ class ORTTrainer:
         where = f"checkpoint {str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]!r}"
         if meta.get("kind") != _CHECKPOINT_KIND:
             raise CheckpointError(f"{where} was not written by ORTTrainer.save_checkpoint")
+        self._set_batches_tracked(meta.get("num_batches_tracked", {}))
         if strict and meta.get("optimizer") != self.optim_config.name and meta.get("include_optimizer_states"):
             raise CheckpointError(f"{where} holds {meta.get('optimizer')} state; this trainer uses "
                                   f"{self.optim_config.name} (load with strict=False for the weights)")
