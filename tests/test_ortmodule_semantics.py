@@ -1216,3 +1216,23 @@ def test_a_nested_ortmodule_loads_its_own_state_dict_and_a_torch_one() -> None:
     other.load_state_dict(wrapped.state_dict())  # and the other way
     with pytest.raises(RuntimeError, match="Missing key"):
         wrapped.load_state_dict({k: v for k, v in plain.state_dict().items() if k != "enc.0.weight"})
+
+
+def test_batch_norm_without_affine_trains_in_onnxruntime() -> None:
+    """BatchNorm(affine=False) in train mode: the dynamo exporter passed no scale and bias to
+    BatchNormalization (an invalid graph; ORTModule fell back to PyTorch, ORTTrainer failed
+    inside onnxruntime); the translation gives it ones and zeros. Loss, gradients and running
+    statistics equal torch's."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 5, bias=False), torch.nn.BatchNorm1d(5, affine=False),
+                                 torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    ref = copy.deepcopy(module)
+    wrapped = ORTModule(module, fallback="raise")
+    for _ in range(2):
+        x = torch.randn(6, 4)
+        _close(wrapped(x).square().sum(), ref(x).square().sum(), "loss")
+        wrapped(x).square().sum().backward()
+        ref(x).square().sum().backward()
+    _grads_equal(ref, module)
+    _close(module[1].running_mean, ref[1].running_mean, "running_mean")
+    _close(module[1].running_var, ref[1].running_var, "running_var")

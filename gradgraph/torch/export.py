@@ -255,6 +255,13 @@ def bn_train_translation() -> dict:
 
     def bn_train(input, weight, bias, running_mean, running_var, training: bool, momentum: float,
                  eps: float):
+        if weight is None or bias is None:  # affine=False: ONNX's BatchNormalization needs both
+            channels = op.Slice(op.Shape(input), op.Constant(value_ints=[1]), op.Constant(value_ints=[2]))
+            dtype = (input.dtype or ir.DataType.FLOAT).numpy()  # CastLike: an opset-19 op
+            if weight is None:
+                weight = op.ConstantOfShape(channels, value=ir.tensor(np.ones(1, dtype)))
+            if bias is None:
+                bias = op.ConstantOfShape(channels, value=ir.tensor(np.zeros(1, dtype)))
         y, rm, rv = op.BatchNormalization(input, weight, bias, running_mean, running_var,
                                           epsilon=eps, momentum=1.0 - momentum, training_mode=1)
         return y, rm, rv, rm, rv
