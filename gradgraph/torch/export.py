@@ -251,7 +251,9 @@ def _plain(out: Any) -> Any:
 
 def bn_train_translation() -> dict:
     """aten._native_batch_norm_legit_functional written with ``training_mode=1`` (trap 2 above)."""
-    from onnxscript import opset20 as op
+    from onnxscript import opset20
+
+    op: Any = opset20  # traced: its typed signatures do not apply to the exporter's values
 
     def bn_train(input, weight, bias, running_mean, running_var, training: bool, momentum: float,
                  eps: float):
