@@ -175,18 +175,19 @@ def test_strict_load_of_a_matching_checkpoint_does_not_warn(tmp_path: Path, recw
 # ---- 2. --save-stages is all or nothing ------------------------------------------------------
 # An op with no gradient rule that onnxruntime runs: a contrib op (not a model-local function:
 # the forward stage inlines those, and every default-domain op has a rule or is a stop).
-NO_RULE_DOMAIN, NO_RULE_OP = "com.microsoft", "QuickGelu"
+NO_RULE_DOMAIN, NO_RULE_OP = "com.microsoft", "SkipSimplifiedLayerNormalization"
 
 
 @pytest.fixture(scope="module")
 def failing_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Its forward stage succeeds, its gradient stage fails (QuickGelu has no gradient rule)."""
+    """Its forward stage succeeds, its gradient stage fails (SkipSimplifiedLayerNormalization has no
+    gradient rule)."""
     assert lookup(NO_RULE_DOMAIN, NO_RULE_OP, 1) is None, f"{NO_RULE_OP} has a rule now: pick another op"
     path = tmp_path_factory.mktemp("failing") / "no_rule.onnx"
     onnx.save(onnx.parser.parse_model(f"""<ir_version: 9, opset_import: ["" : 18, "{NO_RULE_DOMAIN}" : 1]>
-g (float[2,3] x) => (float loss) <float[3,3] w = {{1,2,3,4,5,6,7,8,9}}> {{
+g (float[2,3] x) => (float loss) <float[3,3] w = {{1,2,3,4,5,6,7,8,9}}, float[3] gm = {{1,1,1}}> {{
  y = MatMul(x, w)
- z = {NO_RULE_DOMAIN}.{NO_RULE_OP}(y)
+ z = {NO_RULE_DOMAIN}.{NO_RULE_OP}(y, y, gm)
  loss = ReduceSum<keepdims=0>(z)
 }}"""), str(path))
     return path

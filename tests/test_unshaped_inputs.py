@@ -57,3 +57,37 @@ def test_gradcheck_casts_float64_inputs_for_a_float_model() -> None:
     x = np.random.default_rng(2).standard_normal((5, 4))  # float64 for a float input
     report = gradcheck(_model("MatMul", [5, 4]), "loss", inputs={"x": x})
     assert [row.result for row in report.rows] == ["ok"]
+
+
+def test_legacy_group_norm_at_opset_13_keeps_its_shapes(tmp_path) -> None:
+    """torch's legacy GroupNorm export reshapes back with ``Reshape(y, Shape(x))``; onnx's data
+    propagation does not see through opset 13's Shape, so what followed had no shape and the
+    InstanceNormalization rule after it failed. Gradients against torch autograd."""
+    torch = pytest.importorskip("torch")
+    import onnxruntime as ort
+
+    from gradgraph import build_gradient_graph
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv1d(3, 8, 3, padding=1)
+            self.gn = torch.nn.GroupNorm(2, 8)
+            self.norm = torch.nn.InstanceNorm1d(8, affine=True)
+
+        def forward(self, x):
+            return self.norm(self.gn(self.conv(x))).pow(2).mean()
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 3, 10)
+    path = tmp_path / "gn13.onnx"
+    torch.onnx.export(net, (x,), str(path), input_names=["x"], output_names=["loss"], dynamo=False,
+                      opset_version=13)
+    names = ["conv.weight", "conv.bias", "norm.weight"]  # the GroupNorm affine: onnx::Mul_N names
+    grads = build_gradient_graph(str(path), "loss", names)
+    session = ort.InferenceSession(grads.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run([f"{n}_grad" for n in names], {"x": x.numpy()})
+    net(x).backward()
+    params = dict(net.named_parameters())
+    for name, value in zip(names, got, strict=True):
+        np.testing.assert_allclose(value, params[name].grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)

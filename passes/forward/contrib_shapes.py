@@ -10,7 +10,9 @@ formula gives from its inputs' (FusedMatMul: a MatMul of the operands with the l
 swapped where transA / transB say; the GELUs: their input's), and a later default-domain node
 whose outputs still have no shape gets onnx's inference of that one node
 (``onnx.shape_inference.infer_node_outputs``, with the constant inputs it reads). It runs only
-where a contrib node's output has no shape: other graphs are left as they are.
+where a node's output has no shape: other graphs are left as they are. It also shapes
+``Reshape(x, Shape(v))`` as ``v``, which onnx's data propagation misses at opset 13 (torch's
+legacy GroupNorm export), and what follows it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,19 @@ def _contrib_shape(node: ir.Node) -> ir.Shape | None:
     return None
 
 
+def _shape_of_reshape(node: ir.Node) -> ir.Shape | None:
+    """``Reshape(x, Shape(v))`` is shaped as ``v``: onnx's data propagation does not see through
+    a Shape of opset 13 (torch's legacy GroupNorm export at opset 13 reshapes back that way)."""
+    if node.op_type != "Reshape" or len(node.inputs) < 2 or node.inputs[1] is None:
+        return None
+    shape_node = node.inputs[1].producer()
+    if shape_node is None or shape_node.op_type != "Shape" or shape_node.domain not in ("", "ai.onnx") \
+            or "start" in shape_node.attributes or "end" in shape_node.attributes:
+        return None
+    source = shape_node.inputs[0]
+    return ir.Shape(list(source.shape)) if source is not None and source.shape is not None else None
+
+
 def _infer_one(node: ir.Node, opsets: dict[str, int]) -> None:
     """onnx's inference of ``node`` alone, from its inputs' types and constants."""
     domain = "" if node.domain == "ai.onnx" else node.domain
@@ -121,7 +136,7 @@ class ContribShapesPass(InPlacePass):
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
-        if not any(_is_contrib(n) and any(v.shape is None for v in n.outputs) for n in graph):
+        if not any(v.shape is None for n in graph for v in n.outputs):
             return PassResult(model, False)
         opsets = {"" if d == "ai.onnx" else d: v for d, v in model.opset_imports.items()}
         modified = False
@@ -135,6 +150,11 @@ class ContribShapesPass(InPlacePass):
                     if node.outputs[0].type is None and node.inputs[0] is not None:
                         node.outputs[0].type = node.inputs[0].type
                     modified = True
+            elif (reshaped := _shape_of_reshape(node)) is not None:
+                node.outputs[0].shape = reshaped
+                if node.outputs[0].type is None and node.inputs[0] is not None:
+                    node.outputs[0].type = node.inputs[0].type
+                modified = True
             elif node.domain in ("", "ai.onnx") and all(v.shape is not None for v in node.inputs if v is not None):
                 before = [v.shape for v in node.outputs]
                 _infer_one(node, opsets)
