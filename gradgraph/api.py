@@ -66,6 +66,9 @@ def build_gradient_graph(
     if weights_to_train is not None:
         check_names("weights_to_train", weights_to_train)
         weights_to_train = list(weights_to_train)
+        if not weights_to_train:
+            raise GradientError("weights_to_train is empty: name the weights to differentiate, or "
+                                "pass None for the model's parameters (gradgraph.list_weights)")
         if len(set(weights_to_train)) != len(weights_to_train):
             dup = next(w for w in weights_to_train if weights_to_train.count(w) > 1)
             raise GradientError(f"weights_to_train names {dup!r} more than once")

@@ -1,4 +1,4 @@
-"""Graph inputs declared without a shape, and feeds of a wider float type.
+"""Graph inputs declared without a shape, feeds of a wider float type, and other input checks.
 
 onnxruntime reports an input declared without a shape as ``[]``, as it does a scalar: the feed
 check takes the shape from the model, so such an input accepts any rank (it refused a matrix
@@ -91,3 +91,20 @@ def test_legacy_group_norm_at_opset_13_keeps_its_shapes(tmp_path) -> None:
     params = dict(net.named_parameters())
     for name, value in zip(names, got, strict=True):
         np.testing.assert_allclose(value, params[name].grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_learning_rate_given_as_text_is_refused() -> None:
+    session = TrainingSession(_model("Mul", [2, 4, 3]), TrainingConfig(loss="loss"))
+    x = np.ones((2, 4, 3), np.float32)
+    for bad in ("0.1", True, [0.1, 0.2]):
+        with pytest.raises(InputError, match="learning rate must be a number"):
+            session.train_step({"x": x}, lr=bad)  # type: ignore[arg-type]
+    assert session.step == 0
+    session.train_step({"x": x}, lr=np.float32(0.1))
+
+
+def test_an_empty_list_of_weights_is_refused() -> None:
+    from gradgraph import build_gradient_graph
+
+    with pytest.raises(GradientError, match="weights_to_train is empty"):
+        build_gradient_graph(_model("Mul", [2, 4, 3]), "loss", [])

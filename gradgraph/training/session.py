@@ -100,6 +100,16 @@ def _run_error(exc: BaseException, what: str) -> GradientError:
                       "range?)")
 
 
+def _learning_rate(lr: Any) -> np.ndarray:
+    """``lr`` as the float64 scalar the graph takes (its dtype at binding): a real number (a
+    string such as "0.1", which numpy would convert, or a bool is a mistake said at once; a NaN
+    is a number: the step is skipped as non-finite, see passes.optimizer)."""
+    array = np.asarray(lr) if not isinstance(lr, (str, bytes)) else None
+    if array is None or array.size != 1 or array.dtype.kind not in "iuf":
+        raise InputError(f"the learning rate must be a number, not {lr!r}")
+    return array.astype(np.float64).reshape(())
+
+
 def _listed(names: Sequence[str]) -> str:
     shown = ", ".join(repr(n) for n in names[:_LISTED])
     return shown + (f", ... ({len(names)} in all)" if len(names) > _LISTED else "")
@@ -300,7 +310,7 @@ class TrainingSession:
             if lr is None:
                 raise ValueError(f"no learning rate: pass lr=, feed {names.learning_rate!r} or "
                                  "set session.learning_rate")
-            feeds[names.learning_rate] = np.asarray(lr, np.float64).reshape(())  # the graph's dtype at binding
+            feeds[names.learning_rate] = _learning_rate(lr)
         else:
             feeds.pop(names.learning_rate, None)
         loss = self.config.loss
