@@ -144,7 +144,7 @@ def test_optimizer_config_checks():
         optim.AdamConfig([{"params": ["0.weight"], "lr": 0.1}])
     with pytest.raises(ValueError, match="does not have"):
         optim.AdamConfig([{"params": ["0.weight"], "ratio_min": 0.1}])
-    with pytest.raises(ValueError, match="beta1"):
+    with pytest.raises(ValueError, match="'alpha'"):
         optim.LambConfig(alpha=1.5)
     with pytest.raises(ValueError, match="empty list"):
         optim.SGDConfig([{"params": ["0.weight"], "lr": 0.1}])
@@ -418,6 +418,37 @@ def test_pytorch_format_state_loads_strictly_into_the_module():
     loss, _ = trainer.eval_step(ids, ids)
     with torch.no_grad():
         np.testing.assert_allclose(float(Loss()(fresh(ids), ids)), float(loss), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["emb.weight", "head.weight"])
+def test_a_tied_weight_answers_to_each_of_its_names(name):
+    """torch's named_parameters() calls the tied weight ``emb.weight``; the graph may hold it as
+    ``head.weight``: frozen_weights and a parameter group take either name."""
+    class Loss(torch.nn.Module):
+        def forward(self, logits, ids):
+            return torch.nn.functional.cross_entropy(logits, ids.reshape(-1))
+
+    desc = {"inputs": [("ids", ["batch", 5]), ("target", ["batch", 5])],
+            "outputs": [("loss", [], True), ("logits", ["n", 10])]}
+    torch.manual_seed(0)
+    ids = torch.randint(0, 10, (4, 5))
+    frozen = ORTTrainer(_TiedLM(), desc, optim.SGDConfig(lr=0.5), Loss(),
+                        ORTTrainerOptions({**CPU, "utils": {"frozen_weights": [name]}}))
+    before = {n: p.detach().clone() for n, p in frozen._torch_model.named_parameters()}
+    frozen.train_step(ids, ids)
+    state = frozen.state_dict(pytorch_format=True)
+    assert torch.equal(state["emb.weight"], before["emb.weight"])  # frozen under either name
+    assert not torch.equal(state["fc.weight"], before["fc.weight"])  # the others trained
+    grouped = ORTTrainer(_TiedLM(), desc, optim.AdamConfig([{"params": [name], "lambda_coef": 0.5}], lr=1e-2),
+                         Loss(), ORTTrainerOptions(CPU))
+    grouped.train_step(ids, ids)  # the group's name resolved (was: "is not a trained weight")
+
+
+def test_optimizer_config_errors_use_the_reference_names():
+    with pytest.raises(ValueError, match=r"AdamConfig: 'alpha' must be"):
+        optim.AdamConfig(alpha=1.5)
+    with pytest.raises(ValueError, match=r"LambConfig: params\[0\]: 'epsilon' must be"):
+        optim.LambConfig([{"params": ["0.weight"], "epsilon": -5.0}])
 
 
 def test_state_dict_round_trips_and_has_the_reference_layout():

@@ -23,9 +23,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from passes.autodiff import GradientError
 from passes.optimizer import AdamConfig as _Adam
 from passes.optimizer import AdamWConfig as _AdamW
 from passes.optimizer import LambConfig as _Lamb
@@ -85,16 +87,36 @@ class _OptimizerConfig:
 
     def to_pass_config(self) -> Any:
         """The gradgraph optimizer config (the defaults)."""
+        return self._pass_config({k: v for k, v in self.defaults.items() if k != "lr"})
+
+    def _pass_config(self, hyper: Mapping[str, Any]) -> Any:
+        """The gradgraph optimizer config of reference hyper-parameters ``hyper``."""
         raise NotImplementedError
 
-    def param_groups(self) -> tuple[ParamGroup, ...]:
-        """One exact-name :class:`ParamGroup` per reference group (the first match wins)."""
+    def _check_ranges(self) -> None:
+        """Range checks of the defaults and of every group's values (gradgraph's config checks
+        them), said with the reference's names: ``AdamConfig: params[0]: 'alpha' must be ...``."""
+        owner = type(self).__name__
+        tables = [("", {k: v for k, v in self.defaults.items() if k != "lr"})]
+        tables += [(f" params[{i}]:", {k: v for k, v in g.items() if k != "params"}) for i, g in enumerate(self.params)]
+        reverse = {field: key for key, field in _FIELDS.items() if key != "lambda"}
+        for where, hyper in tables:
+            try:
+                self._pass_config(hyper)
+            except GradientError as exc:
+                text = re.sub(r"\b\w*Config\.(\w+)", lambda m: repr(reverse.get(m.group(1), m.group(1))), str(exc))
+                raise ValueError(f"{owner}:{where} {text}") from exc
+
+    def param_groups(self, aliases: Mapping[str, str] | None = None) -> tuple[ParamGroup, ...]:
+        """One exact-name :class:`ParamGroup` per reference group (the first match wins);
+        ``aliases``: another name of a weight -> the graph's (a tied weight's names)."""
         groups = []
         base = self.to_pass_config()
+        rename = aliases or {}
         for group in self.params:
             over = self._translate({k: v for k, v in group.items() if k != "params"})
             changed = {k: v for k, v in over.items() if getattr(base, k) != v}
-            groups.append(ParamGroup(tuple(_literal(n) for n in group["params"]), changed))
+            groups.append(ParamGroup(tuple(_literal(rename.get(n, n)) for n in group["params"]), changed))
         return tuple(groups)
 
     def _translate(self, hyper: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,7 +143,7 @@ class SGDConfig(_OptimizerConfig):
                              "hyper-parameters besides lr, which groups may not set)")
         super().__init__([], {"lr": lr})
 
-    def to_pass_config(self) -> _SGD:
+    def _pass_config(self, hyper: Mapping[str, Any]) -> _SGD:
         return _SGD()
 
 
@@ -151,11 +173,14 @@ class AdamConfig(_OptimizerConfig):
         self.weight_decay_mode = AdamConfig.DecayMode(weight_decay_mode)
         super().__init__(params, {"lr": lr, "alpha": alpha, "beta": beta, "lambda_coef": lambda_coef,
                                   "epsilon": epsilon, "do_bias_correction": do_bias_correction})
-        self.to_pass_config()  # range checks of every field, named
+        self._check_ranges()  # every field, the groups' too, named
 
     def to_pass_config(self) -> _Adam:
+        return super().to_pass_config()  # type: ignore[no-any-return]
+
+    def _pass_config(self, hyper: Mapping[str, Any]) -> _Adam:
         return _AdamW(decay_after_update=self.weight_decay_mode == AdamConfig.DecayMode.AFTER_WEIGHT_UPDATE,
-                      **self._translate({k: v for k, v in self.defaults.items() if k != "lr"}))
+                      **self._translate(hyper))
 
 
 class LambConfig(_OptimizerConfig):
@@ -179,7 +204,7 @@ class LambConfig(_OptimizerConfig):
         super().__init__(params, {"lr": lr, "alpha": alpha, "beta": beta, "lambda_coef": lambda_coef,
                                   "ratio_min": ratio_min, "ratio_max": ratio_max, "epsilon": epsilon,
                                   "do_bias_correction": do_bias_correction})
-        self.to_pass_config()
+        self._check_ranges()
 
     def _translate(self, hyper: Mapping[str, Any]) -> dict[str, Any]:
         out = super()._translate(hyper)
@@ -188,7 +213,10 @@ class LambConfig(_OptimizerConfig):
         return out
 
     def to_pass_config(self) -> _Lamb:
-        return _Lamb(**self._translate({k: v for k, v in self.defaults.items() if k != "lr"}))
+        return super().to_pass_config()  # type: ignore[no-any-return]
+
+    def _pass_config(self, hyper: Mapping[str, Any]) -> _Lamb:
+        return _Lamb(**self._translate(hyper))
 
 
 # ---- learning-rate schedulers ----------------------------------------------------------------

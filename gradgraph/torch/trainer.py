@@ -308,10 +308,12 @@ class ORTTrainer:
     def _config(self) -> TrainingConfig:
         opts, cfg = self.options, self.optim_config
         trained = [n for n in self._torch_names if n in self._parameter_names()]
-        frozen = list(opts.utils.frozen_weights)
-        self._check_names("utils.frozen_weights", frozen, trained)
+        aliases = self._aliases(trained)
+        known = [*trained, *aliases]
+        self._check_names("utils.frozen_weights", list(opts.utils.frozen_weights), known)
+        frozen = [aliases.get(n, n) for n in opts.utils.frozen_weights]
         for i, group in enumerate(cfg.params):
-            self._check_names(f"optim_config params[{i}]['params']", group["params"], trained)
+            self._check_names(f"optim_config params[{i}]['params']", group["params"], known)
         gt = opts.graph_transformer
         recompute = None
         if gt.attn_dropout_recompute or gt.gelu_recompute or gt.transformer_layer_recompute:
@@ -332,7 +334,7 @@ class ORTTrainer:
             optimizer=cfg.to_pass_config(),
             weights_to_train=tuple(n for n in trained if n not in frozen),
             weights_not_to_train=tuple(frozen),
-            update=UpdateOptions(groups=cfg.param_groups(),
+            update=UpdateOptions(groups=cfg.param_groups(aliases),
                                  accumulation_steps=opts.batch.gradient_accumulation_steps,
                                  max_grad_norm=float(cfg.max_norm_clip) if clip else None),  # type: ignore[attr-defined]
             graph_transformer=GraphTransformerOptions(
@@ -358,6 +360,31 @@ class ORTTrainer:
         else:
             config = DistributedConfig.from_env(**common)
         return config if config.active else None
+
+    def _frozen_graph_names(self) -> set[str]:
+        """``utils.frozen_weights`` under the graph's names (a tied weight's other name mapped)."""
+        frozen = list(self.options.utils.frozen_weights)
+        if self._torch_model is None:
+            return set(frozen)
+        aliases = self._aliases(list(self._torch_names))
+        return {aliases.get(n, n) for n in frozen}
+
+    def _aliases(self, trained: Sequence[str]) -> dict[str, str]:
+        """The other names of a tied weight (``out.weight = emb.weight``: torch's
+        ``named_parameters`` says ``emb.weight``, the graph may hold ``out.weight``) -> the
+        name the graph trains it under."""
+        if self._torch_model is None:
+            return {}
+        names_of: dict[int, list[str]] = {}
+        for name, tensor in self._torch_model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(tensor), []).append(name)
+        graph_names = set(trained)
+        aliases = {}
+        for names in names_of.values():
+            held = [n for n in names if n in graph_names]
+            if len(held) == 1:
+                aliases.update({n: held[0] for n in names if n != held[0]})
+        return aliases
 
     def _parameter_names(self) -> set[str]:
         if self._torch_model is None:  # an ONNX model: every float initializer
@@ -556,7 +583,7 @@ class ORTTrainer:
         state, saved and loaded with it."""
         if self._onnx_model is None:
             return {}
-        frozen = set(self.options.utils.frozen_weights)
+        frozen = self._frozen_graph_names()
         return {i.name: onnx.numpy_helper.to_array(i) for i in self._onnx_model.graph.initializer
                 if i.name in frozen}
 
@@ -564,7 +591,7 @@ class ORTTrainer:
         """Remove the frozen weights from a state being loaded and apply them: before the first
         step to the module (the export reads them); after it, where they differ from the graph's
         constants, the session is rebuilt with them (its other state carried over)."""
-        frozen = set(self.options.utils.frozen_weights)
+        frozen = self._frozen_graph_names()
         given = {n: np.asarray(state.pop(n)) for n in list(state) if n in frozen}
         if not given:
             return
@@ -733,7 +760,7 @@ class ORTTrainer:
         if not meta.get("include_optimizer_states", True) or \
                 (not strict and meta.get("optimizer") != self.optim_config.name):
             params = set(self._session.artifacts.params) if self._session is not None else None
-            frozen = set(self.options.utils.frozen_weights)
+            frozen = self._frozen_graph_names()
             state = {"model": {"full_precision": {k: v for k, v in tensors.items() if k != MICRO_STEP_KEY
                                                   and (params is None or k in params or k in frozen)}}}
             self._load_weights_only(state, where)
