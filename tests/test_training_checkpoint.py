@@ -294,3 +294,16 @@ def test_a_checkpoint_whose_tensors_fit_loads_whatever_settings_differ(mlp_model
     everything_adam.save_checkpoint(tmp_path / "adam.safetensors")
     with pytest.raises(CheckpointError, match=r"written training other weights \(frozen now"):
         adam.load_checkpoint(tmp_path / "adam.safetensors")
+
+
+
+def test_another_models_checkpoint_is_named_as_such(mlp_model: bytes, tmp_path: Path) -> None:
+    """A checkpoint of another model (its trained weights are not this model's) is said to be
+    one, not 'written training other weights (frozen now [...])' about names the model lacks."""
+    example = Path(__file__).resolve().parent.parent / "gradgraph" / "examples" / "mlp.onnx"
+    other = TrainingSession(str(example), TrainingConfig("loss", AdamWConfig()), providers=CPU)
+    other.save_checkpoint(tmp_path / "other.safetensors")
+    ours = TrainingSession(mlp_model, TrainingConfig("loss", AdamWConfig()), providers=CPU)
+    assert not set(other.artifacts.params) & set(ours.artifacts.params)  # the case of this test
+    with pytest.raises(CheckpointError, match=r"was written for another model: it trained"):
+        ours.load_checkpoint(tmp_path / "other.safetensors")

@@ -423,6 +423,11 @@ class TrainingSession:
         trained = meta.get("trained")
         if isinstance(trained, list) and sorted(trained) != sorted(self.artifacts.trained):
             now, then = set(self.artifacts.trained), set(trained)
+            foreign = sorted(then - set(self.artifacts.params))
+            if foreign:
+                return (f"was written for another model: it trained {_listed(foreign)}, which this "
+                        f"model does not have (its weights: {_listed(self.artifacts.params)}); load a "
+                        "checkpoint saved for this model")
             parts = [f"{label} {sorted(names)[:5]}{' ...' if len(names) > 5 else ''}"
                      for label, names in (("frozen now", then - now), ("trained now, not then", now - then))
                      if names]
