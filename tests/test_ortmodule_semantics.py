@@ -1236,3 +1236,19 @@ def test_batch_norm_without_affine_trains_in_onnxruntime() -> None:
     _grads_equal(ref, module)
     _close(module[1].running_mean, ref[1].running_mean, "running_mean")
     _close(module[1].running_var, ref[1].running_var, "running_var")
+
+
+def test_a_sparse_embedding_is_warned_about_and_gets_a_dense_gradient() -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    ref = copy.deepcopy(module)
+    wrapped = ORTModule(module, fallback="raise")
+    ids = torch.tensor([[1, 2, 2], [7, 0, 1]])
+    with pytest.warns(UserWarning, match=r"sparse=True.*dense tensor"):
+        wrapped(ids).sum().backward()
+    ref(ids).sum().backward()
+    assert module[0].weight.grad.layout == torch.strided
+    _close(module[0].weight.grad, ref[0].weight.grad.to_dense(), "embedding gradient")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per submodule
+        wrapped(ids).sum().backward()

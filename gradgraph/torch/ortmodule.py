@@ -932,6 +932,18 @@ class ORTModule(torch.nn.Module):
         return self._modules["_original_module"]  # type: ignore[return-value]
 
     # ---- the call -------------------------------------------------------------------------
+    def _warn_sparse(self) -> None:
+        """Once per submodule: an ``Embedding`` / ``EmbeddingBag(sparse=True)`` gets a dense
+        gradient here (onnxruntime's tensors are dense), which torch's sparse optimizers refuse."""
+        for path, sub in self.module.named_modules():
+            if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse \
+                    and f"sparse:{path}" not in self._hook_warned:
+                self._hook_warned.add(f"sparse:{path}")
+                warnings.warn(f"ORTModule: {path or type(sub).__name__} has sparse=True; its weight's "
+                              "gradient comes back as a dense tensor (onnxruntime computes dense "
+                              "tensors), which torch.optim.SparseAdam refuses: use a dense optimizer "
+                              "(Adam, SGD), or run the module without ORTModule", stacklevel=3)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         leaves, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -957,6 +969,8 @@ class ORTModule(torch.nn.Module):
             if engine is not None:
                 engine.changed_attrs = {k: (path, state[k][1] if k in state else None, new)
                                         for k, (path, new, _) in changed.items()}
+                if training:
+                    self._warn_sparse()
             self._evict()
             if self._builds == MANY_SIGNATURES:
                 warnings.warn(
