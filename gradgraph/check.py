@@ -97,6 +97,8 @@ LOW_PRECISION_TOL = {"float16": 1e-2, "bfloat16": 8e-2}
 # KinkScreen: relative disagreement of the one-sided quotients (x+h vs x-h) that marks a kink,
 # and its floor, in units of the loss gradient.
 KINK_RTOL = 1e-2
+# A difference step from which every entry looking like a kink says more about the step.
+LARGE_STEP = 1e-2
 KINK_ATOL = 1e-4
 # The ONNX reference evaluator is tried only on models with at most this many values
 # (initializers + inputs) ...
@@ -755,6 +757,9 @@ def _check_one(name: str, oracle: _Oracle, grad: np.ndarray, rng: np.random.Gene
         parts.append(f"{bad_numeric} non-finite numeric")
     if kinks:
         parts.append(f"{kinks} at kinks, not compared")
+        if not errs and step >= LARGE_STEP:  # a smooth loss curves within so wide a window too
+            parts.append(f"a step of {step:g} is wide enough to look like a kink anywhere: try a "
+                         "smaller --eps / eps")
     if not errs:  # every pick sat at a kink
         return CheckRow(name, 0, math.nan, math.nan, RESULT_SKIPPED, ", ".join(parts), kinks=kinks)
     # np.max propagates NaN: a NaN entry shows as nan, never as a small number

@@ -108,3 +108,11 @@ def test_an_empty_list_of_weights_is_refused() -> None:
 
     with pytest.raises(GradientError, match="weights_to_train is empty"):
         build_gradient_graph(_model("Mul", [2, 4, 3]), "loss", [])
+
+
+def test_a_huge_difference_step_is_named_when_everything_looks_like_a_kink() -> None:
+    report = gradcheck(_model("MatMul", [5, 4]), "loss", eps=10.0)
+    (row,) = report.rows
+    assert row.result == "skipped" and "a step of 10 is wide enough" in row.detail
+    (row,) = gradcheck(_model("MatMul", [5, 4]), "loss").rows
+    assert row.result == "ok" and "wide enough" not in row.detail
