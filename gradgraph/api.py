@@ -64,6 +64,8 @@ def build_gradient_graph(
     valid there, and the result's IR version is lowered (see :func:`gradgraph.compat.for_runtime`).
     """
     if weights_to_train is not None:
+        if not isinstance(weights_to_train, (str, bytes)):
+            weights_to_train = list(weights_to_train)  # a generator is read once
         check_names("weights_to_train", weights_to_train)
         weights_to_train = list(weights_to_train)
         if not weights_to_train:

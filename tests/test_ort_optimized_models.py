@@ -98,3 +98,31 @@ def test_llama_style_rms_norm_before_opset_23() -> None:
     ((n @ w) ** 2).sum().backward()
     for ours, ref in zip(got, (x.grad, g.grad, w.grad), strict=True):
         np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_rms_norm_output_has_its_scales_type() -> None:
+    """onnxruntime's SimplifiedLayerNormalization computes Y in its scale's type (float16 here,
+    X float32): the contrib shapes type it so, and the gradient graph loads and runs."""
+    rng = np.random.default_rng(0)
+    mk = helper.make_node
+    scale = onnx.numpy_helper.from_array(rng.uniform(0.5, 1.5, 4).astype(np.float16), "s")
+    graph = helper.make_graph(
+        [mk("SimplifiedLayerNormalization", ["x", "s"], ["y"], axis=-1, epsilon=1e-5),
+         mk("Cast", ["y"], ["yf"], to=TensorProto.FLOAT), mk("ReduceSumSquare", ["yf"], ["loss"], keepdims=0)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [scale])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    grad_model = build_gradient_graph(model, "loss", ["x", "s"])
+    session = ort.InferenceSession(grad_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    dx, ds = session.run(["x_grad", "s_grad"], {"x": x})
+    assert dx.dtype == np.float32 and ds.dtype == np.float16
+    xd, sd = x.astype(np.float64), onnx.numpy_helper.to_array(scale).astype(np.float64)
+    inv = 1 / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(ds, (2 * (xd * inv * sd) * xd * inv).sum(0), rtol=2e-2, atol=2e-2)
+
+
+def test_a_generator_of_weights_is_read_once() -> None:
+    model = _original()
+    grads = build_gradient_graph(model, "loss", (name for name in ["W"]))
+    assert [o.name for o in grads.graph.output] == ["loss", "W_grad"]

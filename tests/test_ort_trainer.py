@@ -22,6 +22,7 @@ model_zoo = pytest.importorskip("model_zoo")
 
 from gradgraph import GraphTransformerOptions, TrainingConfig, TrainingSession, UpdateOptions  # noqa: E402
 from gradgraph.torch import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
+from gradgraph.training.checkpoint import CheckpointError  # noqa: E402
 from passes.optimizer import AdamWConfig, LambConfig  # noqa: E402
 
 RTOL = 1e-5
@@ -354,6 +355,32 @@ def test_checkpoint_carries_num_batches_tracked(tmp_path):
     assert _losses(second, batches[3:]) == _losses(first, batches[3:])
     for trainer in (first, second):
         assert int(trainer.state_dict(pytorch_format=True)["1.num_batches_tracked"]) == 5
+
+
+def test_num_batches_tracked_counts_only_the_norms_torch_counts(tmp_path):
+    """A frozen eval-mode BatchNorm and one the forward never calls keep 0, as in torch; a
+    refused checkpoint load leaves the counters as they were."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.bn, self.live = torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.BatchNorm1d(16)
+            self.unused, self.out = torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.live(self.bn(self.fc(x)))))
+
+    torch.manual_seed(0)
+    model = Net()
+    model.bn.eval()
+    trainer = _trainer(optim.SGDConfig(lr=0.1), model=model)
+    _losses(trainer, _batches(3))
+    counts = {k: int(v) for k, v in trainer.state_dict(pytorch_format=True).items() if k.endswith("tracked")}
+    assert counts == {"bn.num_batches_tracked": 0, "live.num_batches_tracked": 3, "unused.num_batches_tracked": 0}
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    other = _trainer(optim.AdamConfig(lr=0.1), model=Net())
+    with pytest.raises(CheckpointError, match="holds SGDOptimizer state"):
+        other.load_checkpoint(tmp_path / "ckpt")
+    assert int(other._torch_model.live.num_batches_tracked) == 0
 
 
 @pytest.mark.parametrize("route", ["state_dict", "checkpoint"])

@@ -526,12 +526,14 @@ class ORTTrainer:
     def _count_batches(self) -> None:
         """``num_batches_tracked`` of the module's BatchNorms, one more per training forward as
         torch counts it: the graph updates the running statistics, this integer it does not hold
-        (``state_dict(pytorch_format=True)`` reads it from the module)."""
-        if self._torch_model is None:
+        (``state_dict(pytorch_format=True)`` reads it from the module). Counted: the norms whose
+        running mean the training graph updates (a frozen eval-mode BatchNorm, or one the
+        forward never calls, is not, as in torch)."""
+        if self._torch_model is None or self._session is None:
             return
-        for module in self._torch_model.modules():
-            if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats \
-                    and module.num_batches_tracked is not None:
+        updated = {self._torch_names.get(n, n) for n in self._session.artifacts.buffers}
+        for path, module in self._norms().items():
+            if module.track_running_stats and (f"{path}.running_mean" if path else "running_mean") in updated:
                 module.num_batches_tracked.add_(1)
 
     def _norms(self) -> dict[str, Any]:
@@ -753,7 +755,6 @@ class ORTTrainer:
         where = f"checkpoint {str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]!r}"
         if meta.get("kind") != _CHECKPOINT_KIND:
             raise CheckpointError(f"{where} was not written by ORTTrainer.save_checkpoint")
-        self._set_batches_tracked(meta.get("num_batches_tracked", {}))
         if strict and meta.get("optimizer") != self.optim_config.name and meta.get("include_optimizer_states"):
             raise CheckpointError(f"{where} holds {meta.get('optimizer')} state; this trainer uses "
                                   f"{self.optim_config.name} (load with strict=False for the weights)")
@@ -766,6 +767,7 @@ class ORTTrainer:
             self._load_weights_only(state, where)
         else:
             self._load_flat(tensors, meta, strict, where)
+        self._set_batches_tracked(meta.get("num_batches_tracked", {}))  # once the state has loaded
         return dict(meta.get("user", {}))
 
     def _load_weights_only(self, state: dict[str, Any], where: str) -> None:

@@ -18,6 +18,7 @@ for models without active dropout.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import re
 import warnings
@@ -104,6 +105,8 @@ def _learning_rate(lr: Any) -> np.ndarray:
     """``lr`` as the float64 scalar the graph takes (its dtype at binding): a real number (a
     string such as "0.1", which numpy would convert, or a bool is a mistake said at once; a NaN
     is a number: the step is skipped as non-finite, see passes.optimizer)."""
+    if isinstance(lr, numbers.Real) and not isinstance(lr, (bool, np.bool_)):
+        return np.asarray(float(lr), np.float64).reshape(())  # Decimal and Fraction too
     array = np.asarray(lr) if not isinstance(lr, (str, bytes)) else None
     if array is None or array.size != 1 or array.dtype.kind not in "iuf":
         raise InputError(f"the learning rate must be a number, not {lr!r}")

@@ -99,7 +99,12 @@ def _shape_of_reshape(node: ir.Node) -> ir.Shape | None:
             or "start" in shape_node.attributes or "end" in shape_node.attributes:
         return None
     source = shape_node.inputs[0]
-    return ir.Shape(list(source.shape)) if source is not None and source.shape is not None else None
+    if source is None or source.shape is None:
+        return None
+    # allowzero 0: a 0 in the shape copies x's dimension there, which v's shape does not say
+    if not node.attributes.get_int("allowzero", 0) and any(d == 0 for d in source.shape):
+        return None
+    return ir.Shape(list(source.shape))
 
 
 def _infer_one(node: ir.Node, opsets: dict[str, int]) -> None:
@@ -147,8 +152,10 @@ class ContribShapesPass(InPlacePass):
                 shape = _contrib_shape(node)
                 if shape is not None and node.outputs[0].shape is None:
                     node.outputs[0].shape = shape
-                    if node.outputs[0].type is None and node.inputs[0] is not None:
-                        node.outputs[0].type = node.inputs[0].type
+                    # SimplifiedLayerNormalization's Y has its scale's type (V), not X's
+                    typed_by = node.inputs[1] if node.op_type == "SimplifiedLayerNormalization" else node.inputs[0]
+                    if node.outputs[0].type is None and typed_by is not None:
+                        node.outputs[0].type = typed_by.type
                     modified = True
             elif (reshaped := _shape_of_reshape(node)) is not None:
                 node.outputs[0].shape = reshaped
