@@ -593,3 +593,10 @@ def test_mixed_precision_trains_with_a_dynamic_loss_scale():
     assert float(shared["loss_scale"]) == 1024 * 2 ** (len(batches) // 2)  # x2 per 2 finite steps
     fp32 = _trainer(optim.AdamConfig(lr=1e-2))
     np.testing.assert_allclose(losses, _losses(fp32, batches), rtol=1e-2)  # fp16 compute
+
+
+def test_batch_norm_with_cumulative_momentum_is_refused_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8, momentum=None), torch.nn.Linear(8, 4))
+    trainer = _trainer(optim.SGDConfig(lr=0.1), model=model)
+    with pytest.raises(NotImplementedError, match=r"BatchNorm '1' has momentum=None"):
+        _losses(trainer, _batches(1))

@@ -246,6 +246,13 @@ class ORTTrainer:
         module = self._torch_model if self.loss_fn is None else _WithLoss(self._torch_model, self.loss_fn)
         dynamic = [{axis: d for axis, d in enumerate(desc.shape) if isinstance(d, str)}
                    for desc in self.model_desc.inputs]
+        cumulative = [path for path, m in self._torch_model.named_modules()
+                      if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+                      and m.track_running_stats and m.momentum is None]
+        if cumulative:  # the exporter freezes 1 / num_batches_tracked (a data-dependent value)
+            raise NotImplementedError(f"ORTTrainer: BatchNorm {cumulative[0]!r} has momentum=None (a "
+                                      "cumulative average over num_batches_tracked), which the training "
+                                      "graph cannot follow; give it a momentum (torch's default is 0.1)")
         exported = export_call(module, tuple(tensors), {}, training=True,
                                opset=self.options._internal_use.onnx_opset_version, dynamic=dynamic,
                                stop_gradients=True)
