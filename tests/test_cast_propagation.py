@@ -395,3 +395,46 @@ if graph_strategies is not None:
         for want, got in zip(_run(mixed, feeds), _run(out, feeds)):
             scale = max(float(np.abs(want).max()), 1.0)
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale)
+
+
+def test_level_2_inside_a_train_mode_batch_norm_builds_and_trains() -> None:
+    """Cast propagation at level 2 puts Casts inside the running-variance correction of a
+    train-mode BatchNormalization; the eval stage removed the correction but not those Casts
+    (onnx_ir: "still being used"; found by a trial). The session builds, trains like the plain
+    one (fp16 regions: loose) and its eval graph runs."""
+    torch = pytest.importorskip("torch")
+
+    from gradgraph import (
+        CastPropagationConfig,
+        CastStrategy,
+        GraphTransformerOptions,
+        TrainingConfig,
+        TrainingSession,
+    )
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                              torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(36, 3))
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    x = np.random.default_rng(0).standard_normal((4, 2, 8, 8)).astype(np.float32)
+    y = np.array([0, 1, 2, 0])
+    program = torch.onnx.export(WithLoss().train(), (torch.from_numpy(x), torch.from_numpy(y)), None,
+                                input_names=["x", "y"], output_names=["loss"], dynamo=True, optimize=False)
+    model = program.model_proto
+    losses = {}
+    for level in (None, 2):
+        options = GraphTransformerOptions() if level is None else GraphTransformerOptions(
+            propagate_cast_ops=CastPropagationConfig(CastStrategy.INSERT_AND_REDUCE, level=level))
+        session = TrainingSession(model, TrainingConfig(loss="loss", graph_transformer=options),
+                                  providers=["CPUExecutionProvider"])
+        losses[level] = [float(session.train_step({"x": x, "y": y}, lr=1e-2)) for _ in range(3)]
+        session.eval_step({"x": x, "y": y})
+    np.testing.assert_allclose(losses[2], losses[None], rtol=2e-2)

@@ -96,13 +96,39 @@ def _unbiased_update(model: ir.Model, node: ir.Node, var: ir.Value, new: ir.Valu
     return corrected.value
 
 
+def _downstream(graph: ir.Graph, seeds: list[ir.Node], stop: ir.Node) -> list[ir.Node]:
+    """``seeds`` and every node (but ``stop``) reading their values, transitively: the Casts a
+    precision pass put inside the correction go with it."""
+    found = {id(n): n for n in seeds}
+    frontier = list(seeds)
+    while frontier:
+        for value in frontier.pop().outputs:
+            for use in value.uses():
+                user = use.node
+                if user is not stop and id(user) not in found and user.graph is graph:
+                    found[id(user)] = user
+                    frontier.append(user)
+    return [n for n in graph if id(n) in found]
+
+
 def remove_corrections(graph: ir.Graph, node: ir.Node) -> None:
-    """Drop the running-variance correction of ``node`` (and its graph output)."""
+    """Drop the running-variance correction of ``node`` (and its graph output), with whatever
+    another pass inserted inside it (Casts of cast propagation)."""
     nodes = [n for n in graph if n.metadata_props.get(CORRECTION_OF_KEY) == node.name]
+    if nodes:
+        nodes = _downstream(graph, nodes, node)
     read = node.inputs[4] if len(node.inputs) > 4 else None
     producer = read.producer() if read is not None else None
+    while producer is not None and producer in nodes and producer.op_type == "Cast":
+        producer = producer.inputs[0].producer() if producer.inputs[0] is not None else None
     if producer is not None and producer in nodes:  # the ordering Max: the node reads var again
-        node.replace_input_with(4, producer.inputs[0])
+        source = producer.inputs[0]
+        if read is not None and source is not None and source.dtype != read.dtype:  # keep the type it read
+            cast = ir.node("Cast", [source], attributes={"to": int(read.dtype)})  # type: ignore[arg-type]
+            cast.outputs[0].type, cast.outputs[0].shape = read.type, read.shape
+            graph.insert_before(node, cast)
+            source = cast.outputs[0]
+        node.replace_input_with(4, source)
     for n in nodes:
         for out in n.outputs:
             while out in graph.outputs:
