@@ -8,6 +8,8 @@ casts float64 inputs given for a float input, as training does.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 import pytest
@@ -118,3 +120,39 @@ def test_a_huge_difference_step_is_named_when_everything_looks_like_a_kink() -> 
     assert row.result == "skipped" and "a step of 10 is wide enough" in row.detail
     (row,) = gradcheck(model, "loss").rows
     assert row.result == "ok" and "wide enough" not in row.detail
+
+
+def test_option_values_of_the_wrong_kind_are_named() -> None:
+    from gradgraph import CastPropagationConfig, CastStrategy, GraphTransformerOptions
+    from passes.recompute import RecomputeOptions
+
+    cases = [
+        (lambda: RecomputeOptions(memory_budget="50%"), r"memory_budget must be a whole number of bytes"),  # type: ignore[arg-type]
+        (lambda: RecomputeOptions(memory_budget=1.5), r"a fraction or percentage"),  # type: ignore[arg-type]
+        (lambda: RecomputeOptions(number_recompute_layers=1.5), r"number_recompute_layers must be a whole"),  # type: ignore[arg-type]
+        (lambda: RecomputeOptions(gelu="yes"), r"gelu must be True or False"),  # type: ignore[arg-type]
+        (lambda: GraphTransformerOptions(recompute=True), r"recompute must be a RecomputeOptions"),  # type: ignore[arg-type]
+        (lambda: CastPropagationConfig(level=2.5), r"level must be a whole number"),  # type: ignore[arg-type]
+        (lambda: CastPropagationConfig(allow="MatMul"), r"not the single string 'MatMul'"),  # type: ignore[arg-type]
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make()
+    assert RecomputeOptions(dims={"batch": 4}).dims == (("batch", 4),)  # type: ignore[arg-type]
+    assert CastPropagationConfig(3, level=1).strategy == CastStrategy.INSERT_AND_REDUCE | CastStrategy.FLOOD_FILL  # type: ignore[arg-type]
+
+
+def test_a_budget_over_unsized_activations_is_warned_about() -> None:
+    from gradgraph import GraphTransformerOptions
+    from passes.recompute import RecomputeOptions
+
+    model = _model("MatMul", ["batch", 4])
+    model.graph.node.insert(1, helper.make_node("Tanh", ["y"], ["t"]))
+    model.graph.node[2].input[0] = "t"
+    options = GraphTransformerOptions(recompute=RecomputeOptions(memory_budget=0))
+    with pytest.warns(UserWarning, match=r"symbolic size \(dims \['batch'\]\) count as 0 bytes"):
+        TrainingSession(model, TrainingConfig(loss="loss", graph_transformer=options))
+    sized = GraphTransformerOptions(recompute=RecomputeOptions(memory_budget=10**9, dims=(("batch", 2),)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainingSession(model, TrainingConfig(loss="loss", graph_transformer=sized))

@@ -47,9 +47,22 @@ class CastPropagationConfig:
         return self.level >= 0 and self.strategy != CastStrategy.NONE
 
     def __post_init__(self) -> None:
+        if isinstance(self.strategy, int) and not isinstance(self.strategy, (bool, CastStrategy)) \
+                and 0 <= self.strategy <= 3:
+            object.__setattr__(self, "strategy", CastStrategy(self.strategy))  # bit flags: 3 = both
         if not isinstance(self.strategy, CastStrategy):
             raise ValueError(f"propagate_cast_ops strategy must be a CastStrategy "
-                             f"({[s.name for s in CastStrategy]}), not {self.strategy!r}")
+                             f"({[s.name for s in CastStrategy]}, or their bit flags 0-3: 3 = both), "
+                             f"not {self.strategy!r}")
+        if isinstance(self.level, bool) or not isinstance(self.level, int):
+            raise ValueError(f"propagate_cast_ops level must be a whole number (-1 off, 0, 1, 2), "
+                             f"not {self.level!r}")
+        if isinstance(self.allow, (str, bytes)):
+            raise ValueError(f"propagate_cast_ops allow must be a tuple of op types, not the single "
+                             f"string {self.allow!r} (write ({self.allow!r},))")
+        object.__setattr__(self, "allow", tuple(self.allow))
+        if not all(isinstance(op, str) for op in self.allow):
+            raise ValueError(f"propagate_cast_ops allow must hold op type names, not {self.allow!r}")
         if self.level > 2:
             object.__setattr__(self, "level", 2)  # the reference treats levels above 2 as 2
 
@@ -67,6 +80,16 @@ class GraphTransformerOptions:
     propagate_cast_ops: CastPropagationConfig = CastPropagationConfig()
     # None: no recompute.
     recompute: RecomputeOptions | None = None
+
+    def __post_init__(self) -> None:
+        from passes.recompute import RecomputeOptions  # noqa: PLC0415 - typing-only at module level
+
+        if self.recompute is not None and not isinstance(self.recompute, RecomputeOptions):
+            raise ValueError(f"GraphTransformerOptions.recompute must be a RecomputeOptions (e.g. "
+                             f"RecomputeOptions(gelu=True)) or None, not {self.recompute!r}")
+        if not isinstance(self.propagate_cast_ops, CastPropagationConfig):
+            raise ValueError(f"GraphTransformerOptions.propagate_cast_ops must be a CastPropagationConfig, "
+                             f"not {self.propagate_cast_ops!r}")
 
 
 @dataclasses.dataclass(frozen=True)

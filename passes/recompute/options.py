@@ -17,6 +17,9 @@ transformer_layer_recompute}.cc`` and ``memory_optimizer/*`` (see ORT_TRAINING.m
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
 
 RANDOM_OPS = ("Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
               "Bernoulli", "Multinomial")
@@ -73,6 +76,23 @@ class RecomputeOptions:
     layer_start_edges: int = 4
 
     def __post_init__(self) -> None:
+        for field in ("gelu", "attn_dropout", "transformer_layers", "recompute_compute_intensive",
+                      "recompute_non_float"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"RecomputeOptions.{field} must be True or False, not {getattr(self, field)!r}")
+        for field, value in (("number_recompute_layers", self.number_recompute_layers),
+                             ("memory_budget", self.memory_budget), ("unknown_bytes", self.unknown_bytes),
+                             ("max_recompute_chain", self.max_recompute_chain),
+                             ("layer_start_edges", self.layer_start_edges)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+                raise ValueError(f"RecomputeOptions.{field} must be a whole number"
+                                 f"{' of bytes' if field == 'memory_budget' else ''}, not {value!r}"
+                                 + (" (a fraction or percentage of the stash is not a budget: give bytes)"
+                                    if field == "memory_budget" and isinstance(value, (float, str)) else ""))
+        if isinstance(self.dims, Mapping):
+            object.__setattr__(self, "dims", tuple(self.dims.items()))  # {"batch": 8} as pairs
+        if isinstance(self.dims, (str, bytes)) or not all(isinstance(p, tuple) and len(p) == 2 for p in self.dims):
+            raise ValueError(f"RecomputeOptions.dims must be (name, size) pairs or a dict, not {self.dims!r}")
         if self.number_recompute_layers < 0:
             raise ValueError(f"RecomputeOptions.number_recompute_layers must be >= 0 "
                              f"(0 = all but the last), not {self.number_recompute_layers}")

@@ -274,6 +274,20 @@ def plan_for_model(model: ir.Model, options: RecomputeOptions) -> RecomputePlan:
 # ---- the pass ------------------------------------------------------------------------------
 
 
+def _warn_unsized(nodes: list[ir.Node], options: RecomputeOptions) -> None:
+    """A budget over activations of symbolic size the planner cannot count (no size in
+    ``dims``): they count as ``unknown_bytes`` (0 by default), so the budget says little."""
+    if options.unknown_bytes:
+        return
+    dims = dict(options.dims)
+    names = sorted({d.value for n in nodes for v in n.outputs if v.uses() and value_bytes(v, dims) is None
+                    for d in (v.shape or ()) if isinstance(d, ir.SymbolicDim) and d.value and d.value not in dims})
+    if names:
+        warnings.warn(f"RecomputePass: memory_budget={options.memory_budget}: activations of symbolic "
+                      f"size (dims {names}) count as 0 bytes; give the sizes (RecomputeOptions.dims, "
+                      f"CLI --dim {names[0]}=N) for a budget that means what it says", stacklevel=3)
+
+
 class RecomputePass(InPlacePass):
     """Recompute forward activations in the backward as ``options`` select (module docstring)."""
 
@@ -296,6 +310,7 @@ class RecomputePass(InPlacePass):
         planned = any(n.metadata_props.get(RECOMPUTE_BY_KEY) == "planner" for n in graph)
         if options.memory_budget is not None and not planned:
             problem, nodes = planner_problem(graph, options)
+            _warn_unsized(list(nodes.values()), options)
             plan = plan_recompute(problem, options.memory_budget, options.max_recompute_chain)
             if not plan.feasible:
                 warnings.warn(f"RecomputePass: memory_budget={options.memory_budget}: {plan.reason}",
