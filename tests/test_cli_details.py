@@ -238,3 +238,13 @@ def test_summary_names_the_dims_that_would_size_the_stash() -> None:
     ValidRowsLossPass()(m)
     head = stash_lines(build_gradient_graph(ir.to_proto(m), "loss"), {"batch": 3, "seq": 5})[0]
     assert "give --dim" not in head and "which --dim cannot size" in head
+
+
+def test_cast_flags_without_a_level_warn_and_recompute_needs_a_pattern(tmp_path: Path, capsys) -> None:
+    args = ["build", str(EXAMPLE), "--loss", "loss", "--save-stages", str(tmp_path / "s")]
+    assert cli_main([*args, "--cast-strategy", "INSERT_AND_REDUCE"]) == 0
+    assert "change nothing without --cast-level" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # argparse: "expected at least one argument"
+        cli_main(["build", str(EXAMPLE), "--loss", "loss", "--recompute", "--save-stages", str(tmp_path / "t")])
+    assert exit_info.value.code == 2
+    assert "--recompute: expected at least one argument" in capsys.readouterr().err

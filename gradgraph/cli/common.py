@@ -108,7 +108,7 @@ def add_pass_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--standard-ops", action="store_true",
                    help="standard ONNX ops only: no onnxruntime com.microsoft op (below opset 20 a "
                         "written-out GELU otherwise becomes com.microsoft Gelu/FastGelu)")
-    p.add_argument("--recompute", nargs="*", default=[], metavar="PATTERN",
+    p.add_argument("--recompute", nargs="+", default=[], metavar="PATTERN",
                    choices=["gelu", "attn_dropout", "transformer_layers"],
                    help="recompute patterns (the reference's gelu_recompute, "
                         "attn_dropout_recompute, transformer_layer_recompute)")
@@ -146,6 +146,11 @@ def pass_groups(args: argparse.Namespace) -> dict[str, object]:
     from gradgraph.training import options as opts
 
     recompute = None
+    if args.cast_level < 0 and (args.cast_strategy != "FLOOD_FILL" or args.cast_allow):
+        import warnings  # noqa: PLC0415
+
+        warnings.warn("--cast-strategy / --cast-allow change nothing without --cast-level 0, 1 or 2 "
+                      "(cast propagation is off at the default level -1)", stacklevel=2)
     if args.recompute_layers is not None and "transformer_layers" not in args.recompute:
         raise InputError("--recompute-layers sets how many transformer layers are recomputed: it needs "
                          "--recompute transformer_layers")
