@@ -762,3 +762,10 @@ def test_build_names_its_flag_when_out_of_range(tmp_path, capsys, flag, value):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and flag in err[0], err
     assert not out.exists()
+
+
+def test_a_group_learning_rate_points_to_lr_scale() -> None:
+    group = gradgraph.ParamGroup(("*.bias",), {"lr": 1e-4})
+    with pytest.raises(GradientError, match=r"overrides \['lr'\].*lr_scale=\.\.\.\), a factor of the step's lr"):
+        gradgraph.TrainingConfig(loss="loss", optimizer=gradgraph.AdamWConfig(),
+                                 update=gradgraph.UpdateOptions(groups=(group,)))

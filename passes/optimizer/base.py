@@ -163,8 +163,10 @@ def check_groups(config: Any, groups: tuple[ParamGroup, ...]) -> None:
     for index, group in enumerate(groups):
         unknown = [k for k in group.overrides if k not in fields]
         if unknown:
+            hint = (f"; a group's learning rate is ParamGroup({tuple(group.patterns)!r}, lr_scale=...), a "
+                    "factor of the step's lr" if any(k in ("lr", "learning_rate") for k in unknown) else "")
             raise GradientError(f"ParamGroup {index} {tuple(group.patterns)!r} overrides {unknown}, which "
-                                f"{type(config).__name__} does not have; its fields are {fields}")
+                                f"{type(config).__name__} does not have; its fields are {fields}{hint}")
         try:
             dataclasses.replace(config, **dict(group.overrides))
         except (GradientError, TypeError, ValueError) as exc:
