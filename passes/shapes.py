@@ -51,14 +51,21 @@ def infer_missing_shapes(model: ir.Model, replace_dynamic: bool = False) -> bool
     for node in model.graph:
         for value in node.outputs:
             found = types.get(value.name or "")
-            if found is None or found.WhichOneof("value") != "tensor_type":
-                continue
-            if value.type is None:
-                value.type = ir.serde.deserialize_type_proto_for_type(found)
-            shape = ir.serde.deserialize_type_proto_for_shape(found)
-            if not isinstance(value.type, ir.TensorType) or shape is None:
-                continue
-            if value.shape is None or (replace_dynamic and static_shape(value) is None):
-                value.shape = shape
+            if found is not None:
+                take_inferred(value, found, replace_dynamic)
     return True
+
+
+def take_inferred(value: ir.Value, found: onnx.TypeProto, replace_dynamic: bool = False) -> None:
+    """Give ``value`` the tensor type and shape onnx inferred (``found``) where it has none
+    (``replace_dynamic``: also replace a shape with symbolic or unknown dims)."""
+    if found.WhichOneof("value") != "tensor_type":
+        return
+    if value.type is None:
+        value.type = ir.serde.deserialize_type_proto_for_type(found)
+    shape = ir.serde.deserialize_type_proto_for_shape(found)
+    if not isinstance(value.type, ir.TensorType) or shape is None:
+        return
+    if value.shape is None or (replace_dynamic and static_shape(value) is None):
+        value.shape = shape
 

@@ -423,19 +423,22 @@ class _TiedLM(torch.nn.Module):
         return self.head(torch.tanh(self.fc(self.emb(ids))) * self.scale).reshape(-1, 10)
 
 
+class _TiedLoss(torch.nn.Module):
+    def forward(self, logits, ids):
+        return torch.nn.functional.cross_entropy(logits, ids.reshape(-1))
+
+
+_TIED_DESC = {"inputs": [("ids", ["batch", 5]), ("target", ["batch", 5])],
+              "outputs": [("loss", [], True), ("logits", ["n", 10])]}
+
+
 def test_pytorch_format_state_loads_strictly_into_the_module():
     """state_dict(pytorch_format=True) has the module's own state_dict() keys (a tied weight
     under both names, no non-persistent buffer): a fresh module loads it with strict=True and
     computes the trainer's eval loss."""
-    class Loss(torch.nn.Module):
-        def forward(self, logits, ids):
-            return torch.nn.functional.cross_entropy(logits, ids.reshape(-1))
-
-    desc = {"inputs": [("ids", ["batch", 5]), ("target", ["batch", 5])],
-            "outputs": [("loss", [], True), ("logits", ["n", 10])]}
     torch.manual_seed(0)
     ids = torch.randint(0, 10, (4, 5))
-    trainer = ORTTrainer(_TiedLM(), desc, optim.AdamConfig(lr=1e-2), Loss(), ORTTrainerOptions(CPU))
+    trainer = ORTTrainer(_TiedLM(), _TIED_DESC, optim.AdamConfig(lr=1e-2), _TiedLoss(), ORTTrainerOptions(CPU))
     for _ in range(2):
         trainer.train_step(ids, ids)
     fresh = _TiedLM()
@@ -444,30 +447,24 @@ def test_pytorch_format_state_loads_strictly_into_the_module():
     fresh.load_state_dict(state)  # strict
     loss, _ = trainer.eval_step(ids, ids)
     with torch.no_grad():
-        np.testing.assert_allclose(float(Loss()(fresh(ids), ids)), float(loss), rtol=1e-5)
+        np.testing.assert_allclose(float(_TiedLoss()(fresh(ids), ids)), float(loss), rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["emb.weight", "head.weight"])
 def test_a_tied_weight_answers_to_each_of_its_names(name):
     """torch's named_parameters() calls the tied weight ``emb.weight``; the graph may hold it as
     ``head.weight``: frozen_weights and a parameter group take either name."""
-    class Loss(torch.nn.Module):
-        def forward(self, logits, ids):
-            return torch.nn.functional.cross_entropy(logits, ids.reshape(-1))
-
-    desc = {"inputs": [("ids", ["batch", 5]), ("target", ["batch", 5])],
-            "outputs": [("loss", [], True), ("logits", ["n", 10])]}
     torch.manual_seed(0)
     ids = torch.randint(0, 10, (4, 5))
-    frozen = ORTTrainer(_TiedLM(), desc, optim.SGDConfig(lr=0.5), Loss(),
+    frozen = ORTTrainer(_TiedLM(), _TIED_DESC, optim.SGDConfig(lr=0.5), _TiedLoss(),
                         ORTTrainerOptions({**CPU, "utils": {"frozen_weights": [name]}}))
     before = {n: p.detach().clone() for n, p in frozen._torch_model.named_parameters()}
     frozen.train_step(ids, ids)
     state = frozen.state_dict(pytorch_format=True)
     assert torch.equal(state["emb.weight"], before["emb.weight"])  # frozen under either name
     assert not torch.equal(state["fc.weight"], before["fc.weight"])  # the others trained
-    grouped = ORTTrainer(_TiedLM(), desc, optim.AdamConfig([{"params": [name], "lambda_coef": 0.5}], lr=1e-2),
-                         Loss(), ORTTrainerOptions(CPU))
+    grouped = ORTTrainer(_TiedLM(), _TIED_DESC, optim.AdamConfig([{"params": [name], "lambda_coef": 0.5}], lr=1e-2),
+                         _TiedLoss(), ORTTrainerOptions(CPU))
     grouped.train_step(ids, ids)  # the group's name resolved (was: "is not a trained weight")
 
 

@@ -34,7 +34,7 @@ import copy
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,14 @@ def _get(options: ORTTrainerOptions, path: str) -> Any:
     return value
 
 
+def _names_by_tensor(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, list[str]]:
+    """Each tensor's names (a tied weight has several), by the tensor's identity."""
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in named:
+        names_of.setdefault(id(tensor), []).append(name)
+    return names_of
+
+
 class ORTTrainer:
     """``ORTTrainer(model, model_desc, optim_config, loss_fn=None, options=None)`` (see the module)."""
 
@@ -193,6 +201,8 @@ class ORTTrainer:
         self._pending: Callable[[], None] | None = None  # a state load waiting for the session
         self._static_dims: dict[str, dict[int, int]] = {}
         self._torch_names: dict[str, str] = {}  # ONNX weight name -> torch state_dict name
+        # the norms whose num_batches_tracked a training step counts, for the session built
+        self._counted: tuple[TrainingSession, list[Any]] | None = None
         self._providers, self._provider_options = self._device()
         if isinstance(model, onnx.ModelProto):
             if loss_fn is not None:
@@ -382,9 +392,7 @@ class ORTTrainer:
         name the graph trains it under."""
         if self._torch_model is None:
             return {}
-        names_of: dict[int, list[str]] = {}
-        for name, tensor in self._torch_model.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(tensor), []).append(name)
+        names_of = _names_by_tensor(self._torch_model.named_parameters(remove_duplicate=False))
         graph_names = set(trained)
         aliases = {}
         for names in names_of.values():
@@ -538,10 +546,12 @@ class ORTTrainer:
         forward never calls, is not, as in torch)."""
         if self._torch_model is None or self._session is None:
             return
-        updated = {self._torch_names.get(n, n) for n in self._session.artifacts.buffers}
-        for path, module in self._norms().items():
-            if module.track_running_stats and (f"{path}.running_mean" if path else "running_mean") in updated:
-                module.num_batches_tracked.add_(1)
+        if self._counted is None or self._counted[0] is not self._session:  # once per built session
+            updated = {self._torch_names.get(n, n) for n in self._session.artifacts.buffers}
+            self._counted = (self._session, [m for path, m in self._norms().items() if m.track_running_stats
+                                             and (f"{path}.running_mean" if path else "running_mean") in updated])
+        for module in self._counted[1]:
+            module.num_batches_tracked.add_(1)
 
     def _norms(self) -> dict[str, Any]:
         if self._torch_model is None:
@@ -577,9 +587,8 @@ class ORTTrainer:
         any of its names, else the module's: loadable with ``strict=True``."""
         assert self._torch_model is not None
         module = self._torch_model
-        names_of: dict[int, list[str]] = {}
-        for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-            names_of.setdefault(id(t), []).append(n)
+        names_of = _names_by_tensor([*module.named_parameters(remove_duplicate=False),
+                                     *module.named_buffers(remove_duplicate=False)])
         state = {}
         for key, tensor in module.state_dict(keep_vars=True).items():
             value = next((by_torch[a] for a in [key, *names_of.get(id(tensor), [])] if a in by_torch), None)

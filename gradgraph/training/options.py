@@ -18,6 +18,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, Any
 
+from gradgraph.validate import check_names
 from passes.optimizer import AdamWConfig
 from passes.optimizer.base import check_groups
 from passes.optimizer.optimizer_pass import LossScaleSettings, OptimizerSettings, UpdateOptions
@@ -57,12 +58,9 @@ class CastPropagationConfig:
         if isinstance(self.level, bool) or not isinstance(self.level, int):
             raise ValueError(f"propagate_cast_ops level must be a whole number (-1 off, 0, 1, 2), "
                              f"not {self.level!r}")
-        if isinstance(self.allow, (str, bytes)):
-            raise ValueError(f"propagate_cast_ops allow must be a tuple of op types, not the single "
-                             f"string {self.allow!r} (write ({self.allow!r},))")
-        object.__setattr__(self, "allow", tuple(self.allow))
-        if not all(isinstance(op, str) for op in self.allow):
-            raise ValueError(f"propagate_cast_ops allow must hold op type names, not {self.allow!r}")
+        if not isinstance(self.allow, (str, bytes)):
+            object.__setattr__(self, "allow", tuple(self.allow))  # a generator is read once
+        check_names("propagate_cast_ops allow", self.allow)
         if self.level > 2:
             object.__setattr__(self, "level", 2)  # the reference treats levels above 2 as 2
 

@@ -23,6 +23,8 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from passes.shapes import take_inferred
+
 MS_DOMAIN = "com.microsoft"
 # Ops onnxruntime defines in the default domain though ONNX does not (its RMS norm before opset
 # 23, written by its optimizers and LLaMA-style exports): they load in stock onnxruntime.
@@ -128,12 +130,8 @@ def _infer_one(node: ir.Node, opsets: dict[str, int]) -> None:
         return
     for value in node.outputs:
         proto = found.get(value.name or "")
-        if proto is None or proto.WhichOneof("value") != "tensor_type":
-            continue
-        if value.type is None:
-            value.type = ir.serde.deserialize_type_proto_for_type(proto)
-        if value.shape is None:
-            value.shape = ir.serde.deserialize_type_proto_for_shape(proto)
+        if proto is not None:
+            take_inferred(value, proto)
 
 
 class ContribShapesPass(InPlacePass):
