@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.autodiff.registry import grad_rule
+from passes.autodiff.rules.elementwise import swish_derivative
 from passes.autodiff.rules.nn import _grad_of, _sum_parts
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -335,11 +336,8 @@ def _mean_variance_norm(b, n, g):
 
 @grad_rule("Swish", since=24)
 def _swish(b, n, g):
-    """y = x * sigmoid(alpha x): dy/dx = s * (1 + alpha x (1 - s))."""
-    x = n.inputs[0]
-    ax = x * float(n.attr("alpha", 1.0))
-    s = b.Sigmoid(ax)
-    return [g[0] * s * (1.0 + ax * (1.0 - s))]
+    """y = x * sigmoid(alpha x)."""
+    return [g[0] * swish_derivative(b, n.inputs[0], float(n.attr("alpha", 1.0)))]
 
 
 # ---- RotaryEmbedding ------------------------------------------------------------------------------

@@ -225,14 +225,18 @@ def _ms_bias_gelu(b, n, g):
     return [dx, dx]
 
 
+def swish_derivative(b, x, alpha: float):
+    """d/dx of ``x * sigmoid(alpha x)``: ``s (1 + alpha x (1 - s))`` with ``s = sigmoid(alpha x)``
+    (opset 24's Swish, onnxruntime's QuickGelu)."""
+    ax = x * alpha
+    s = b.Sigmoid(ax)
+    return s * (1.0 + ax * (1.0 - s))
+
+
 @grad_rule("QuickGelu", domain="com.microsoft")
 def _ms_quick_gelu(b, n, g):
-    """QuickGelu(x) = x * sigmoid(alpha x) (CLIP's activation, alpha 1.702 by default):
-    ``s (1 + alpha x (1 - s))`` with ``s = sigmoid(alpha x)``."""
-    x = n.inputs[0]
-    alpha = float(n.attr("alpha", 1.702))
-    s = b.Sigmoid(x * alpha)
-    return [g[0] * (s * (x * (1.0 - s) * alpha + 1.0))]
+    """QuickGelu(x) = x * sigmoid(alpha x) (CLIP's activation, alpha 1.702 by default)."""
+    return [g[0] * swish_derivative(b, n.inputs[0], float(n.attr("alpha", 1.702)))]
 
 
 # Node metadata that says how Clip treats x exactly at a bound (set from an exporter's record of
