@@ -50,6 +50,10 @@ def _train(name: str, steps: int, optimizer: str, device: str = "cpu", rtol: flo
     make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
             "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)}[optimizer]
     opt_ref, opt_mine = make(ref.parameters()), make(wrapped.parameters())
+    # parameters whose gradient is zero but for rounding (BERT's key bias: softmax ignores what
+    # it adds to every score of a query): Adam normalizes that rounding noise into steps of up
+    # to lr, whichever the implementation, so their values are compared within lr per step
+    noise_only: set[str] = set()
     for step in range(steps):
         opt_ref.zero_grad()
         opt_mine.zero_grad()
@@ -60,12 +64,17 @@ def _train(name: str, steps: int, optimizer: str, device: str = "cpu", rtol: flo
         loss_mine.backward()
         np.testing.assert_allclose(loss_mine.item(), loss_ref.item(), rtol=rtol, err_msg=f"step {step}")
         _close_grads(ref, mine, rtol, atol)
+        scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+        noise_only.update(n for n, p in ref.named_parameters()
+                          if p.grad is not None and float(p.grad.abs().max()) <= atol * scale)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
         opt_ref.step()
         opt_mine.step()
     for (pname, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
-        np.testing.assert_allclose(_np(q), _np(p), rtol=rtol, atol=atol, err_msg=pname)
+        lr = opt_ref.param_groups[0]["lr"]
+        floor = lr * steps if optimizer == "adamw" and pname in noise_only else atol
+        np.testing.assert_allclose(_np(q), _np(p), rtol=rtol, atol=floor, err_msg=pname)
     for (bname, b), (_, c) in zip(ref.named_buffers(), mine.named_buffers()):  # BatchNorm statistics
         np.testing.assert_allclose(_np(c), _np(b), rtol=rtol, atol=atol, err_msg=bname)
     return wrapped

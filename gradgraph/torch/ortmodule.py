@@ -19,6 +19,10 @@ CPU), the stash stays an onnxruntime value between the two. Parameters stay torc
 Parameters: any torch optimizer, scheduler, ``clip_grad_norm_`` works unchanged. In eval mode
 (or under ``torch.no_grad()``) only a forward graph is built and run.
 
+A training-mode Dropout multiplies by noise fed as an input (``DropoutNoisePass``), drawn for
+each call by :mod:`gradgraph.dropout_noise` on the CPU (onnxruntime's CPU kernel draws on one
+thread) or by torch on a GPU, from a seed torch's default generator gives.
+
 A train-mode BatchNorm computes with batch statistics and its running statistics are written
 back to the module's buffers after each forward (torch's unbiased running variance, and
 ``num_batches_tracked``); a train-mode BatchNorm with ``momentum=None`` falls back to PyTorch.
@@ -58,6 +62,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from gradgraph.compat import inference_session
+from gradgraph.dropout_noise import DropoutNoise
 from gradgraph.io import save_model
 from gradgraph.torch.export import (
     ExportedCall,
@@ -77,10 +82,12 @@ from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
 from passes.kernels import (
     DecomposeTrainingBatchNormPass,
+    DropoutNoisePass,
     GeluFusionPass,
     ValidRowsLossPass,
     WholeScoresLossPass,
     kernel_passes,
+    noise_inputs,
 )
 from passes.marks import gradient_outputs
 from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
@@ -696,6 +703,10 @@ class _Engine:
         # PyTorch's outputs of the probe run, compared with the graph's first run (trap 5 of
         # export.py); not where the graph draws random numbers (Dropout masks differ)
         random = _draws_random_numbers(model)
+        # training Dropouts read their noise, drawn here faster than onnxruntime's CPU kernel
+        # draws it (passes/kernels/dropout_noise.py), from a seed torch's generator gives
+        DropoutNoisePass()(model)
+        self.noise = DropoutNoise(noise_inputs(model.graph), owner._threads or torch.get_num_threads())
         self.reference: list[torch.Tensor] | None = None if random else exported.reference_outputs
         # and the buffers it updated: an exporter may drop an update (InstanceNorm's running
         # statistics: torch 2.13's InstanceNormalization has none)
@@ -718,7 +729,8 @@ class _Engine:
         # plain attributes the forward set while exporting (warned about after the first run)
         self.changed_attrs: dict[tuple[int, str], tuple[str, Any, Any]] = {}
         try:
-            self.runner = GraphRunner(model, self.input_names + list(self.weights), grad_inputs + grad_weights,
+            self.runner = GraphRunner(model, self.input_names + list(self.weights) + list(self.noise.inputs),
+                                      grad_inputs + grad_weights,
                                       self.user_outputs, training=training,
                                       make_session=lambda m: _session(m, owner._threads, debug.ort_severity,
                                                                       device),
@@ -780,7 +792,19 @@ class _Engine:
         """The runner's feeds: the call's tensors, then the module's weights as they are now
         (a parameter replaced since the build, by ``load_state_dict(assign=True)`` or an
         assignment, is the one read)."""
-        return (*inputs, *(named[path] for path in self.weights.values()))
+        return (*inputs, *(named[path] for path in self.weights.values()), *self.dropout_noise())
+
+    def dropout_noise(self) -> list[torch.Tensor]:
+        """New noise for the graph's Dropouts (:mod:`gradgraph.dropout_noise`), from a seed
+        torch's default generator gives, so that ``torch.manual_seed`` repeats it; on a GPU
+        torch draws it there as its CPU dropout does (``bernoulli_(1 - p).div_(1 - p)``)."""
+        if not self.noise:
+            return []
+        if self.device.type != "cpu":
+            return [torch.empty(s.shape, dtype=torch.from_numpy(np.empty(0, s.dtype)).dtype, device=self.device)
+                    .bernoulli_(1.0 - s.ratio).div_(1.0 - s.ratio) for s in self.noise.inputs.values()]
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        return [torch.from_numpy(a) for a in self.noise.draw(seed)]
 
 
 class _Function(torch.autograd.Function):

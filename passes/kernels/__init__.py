@@ -7,12 +7,14 @@ gradient rules see the original ops; WholeScoresLossPass runs on the forward gra
 it saves is mostly the gradient of what it removes; ValidRowsLossPass too, after it (the rows
 a cross-entropy ignores are not computed), and for the same reason GeluFusionPass (a written-out
 GELU as one node) before them. DecomposeTrainingBatchNormPass is for a
-runtime without the kernel (onnxruntime's CUDA provider), before the gradient.
+runtime without the kernel (onnxruntime's CUDA provider), before the gradient. DropoutNoisePass
+is for a caller that feeds a training Dropout's noise (ORTModule), before the gradient.
 """
 
 from onnx_ir.passes import PassBase
 
 from passes.kernels.batch_norm_training import DecomposeTrainingBatchNormPass
+from passes.kernels.dropout_noise import NOISE_KEY, DropoutNoisePass, NoiseInput, noise_inputs
 from passes.kernels.gelu import GeluFusionPass
 from passes.kernels.scatter_accumulate import ScatterAddIntoSumPass
 from passes.kernels.sliced_scores_loss import WholeScoresLossPass
@@ -28,5 +30,5 @@ def kernel_passes(gradient: bool = True) -> list[PassBase]:
     return [SplitSoftmaxCrossEntropyPass(), ScatterAddIntoSumPass()]
 
 
-__all__ = ["DecomposeTrainingBatchNormPass", "GeluFusionPass", "ScatterAddIntoSumPass", "SplitSoftmaxCrossEntropyPass", "ValidRowsLossPass", "WholeScoresLossPass",
-           "kernel_passes"]
+__all__ = ["DecomposeTrainingBatchNormPass", "DropoutNoisePass", "GeluFusionPass", "ScatterAddIntoSumPass", "SplitSoftmaxCrossEntropyPass", "ValidRowsLossPass", "WholeScoresLossPass",
+           "NOISE_KEY", "NoiseInput", "kernel_passes", "noise_inputs"]

@@ -1,0 +1,154 @@
+"""DropoutNoisePass (a training Dropout reads its noise from a graph input) and the noise
+ORTModule draws for it (gradgraph.dropout_noise)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from gradgraph.dropout_noise import DropoutNoise
+from gradgraph.torch import DebugOptions, ORTModule
+from passes.kernels import NOISE_KEY, DropoutNoisePass, NoiseInput, noise_inputs
+
+
+def _dropout_model(ratio=0.25, training=True, shape=(4, 8), elem=TensorProto.FLOAT, mask_out=True,
+                   ratio_input=False, opset=17) -> ir.Model:
+    inits, inputs = [], [helper.make_tensor_value_info("x", elem, list(shape))]
+    if ratio_input:
+        inputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, []))
+    else:
+        inits.append(helper.make_tensor("r", TensorProto.FLOAT, [], [ratio]))
+    if training is not None:
+        inits.append(helper.make_tensor("t", TensorProto.BOOL, [], [training]))
+    node = helper.make_node("Dropout", ["x", "r", "t" if training is not None else ""],
+                            ["y", "mask"] if mask_out else ["y"], name="drop", seed=3)
+    outputs = [helper.make_tensor_value_info("y", elem, list(shape))]
+    if mask_out:
+        outputs.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, list(shape)))
+    graph = helper.make_graph([node], "g", inputs, outputs, inits)
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]))
+
+
+def _run(model: ir.Model, feeds: dict) -> list[np.ndarray]:
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto, full_check=True)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+@pytest.mark.parametrize("elem, dtype", [(TensorProto.FLOAT, np.float32), (TensorProto.DOUBLE, np.float64)])
+def test_a_training_dropout_multiplies_by_the_noise_it_is_fed(elem, dtype):
+    model = _dropout_model(0.25, elem=elem)
+    assert DropoutNoisePass()(model).modified
+    assert [n.op_type for n in model.graph] == ["Mul", "Constant", "Greater"]
+    found = noise_inputs(model.graph)
+    assert list(found) == ["y.noise"]
+    assert found["y.noise"] == NoiseInput((4, 8), dtype, 0.25)
+    assert model.graph.inputs[-1].metadata_props[NOISE_KEY] == repr(0.25)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8)).astype(dtype)
+    noise = ((rng.random((4, 8)) >= 0.25) / 0.75).astype(dtype)
+    y, mask = _run(model, {"x": x, "y.noise": noise})
+    np.testing.assert_array_equal(y, x * noise)
+    np.testing.assert_array_equal(mask, noise > 0)
+
+
+def test_a_mask_nobody_reads_is_not_computed():
+    model = _dropout_model(0.1, mask_out=False)
+    DropoutNoisePass()(model)
+    assert [n.op_type for n in model.graph] == ["Mul"]
+
+
+@pytest.mark.parametrize("case", [
+    {"training": False}, {"training": None}, {"ratio": 0.0}, {"ratio": 1.0}, {"ratio_input": True},
+    {"shape": ("batch", 8)}, {"elem": TensorProto.FLOAT16}, {"opset": 11},
+])
+def test_what_the_pass_leaves_to_onnxruntime(case):
+    if case.get("opset") == 11:  # Dropout-10: ratio an attribute, no training_mode input
+        node = helper.make_node("Dropout", ["x"], ["y"], ratio=0.3)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+        model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)]))
+    else:
+        model = _dropout_model(**case)
+    assert not DropoutNoisePass()(model).modified
+    assert [n.op_type for n in model.graph] == ["Dropout"]
+    assert noise_inputs(model.graph) == {}
+
+
+def test_noise_depends_on_the_seed_alone_and_keeps_one_minus_ratio():
+    inputs = {"a": NoiseInput((3, 1000, 200), np.float32, 0.1), "b": NoiseInput((7, 5), np.float64, 0.6)}
+    one, two = DropoutNoise(inputs, threads=1), DropoutNoise(inputs, threads=2)
+    a1, b1 = one.draw(123)
+    a2, b2 = two.draw(123)
+    np.testing.assert_array_equal(a1, a2)  # the thread count does not change the values
+    np.testing.assert_array_equal(b1, b2)
+    assert a1.dtype == np.float32 and a1.shape == (3, 1000, 200) and b1.dtype == np.float64
+    assert set(np.unique(a1)) == {np.float32(0.0), np.float32(1 / 0.9)}
+    assert set(np.unique(b1)) <= {0.0, 1 / 0.4}
+    kept = float((a1 > 0).mean())  # 600,000 Bernoulli(0.9): standard deviation 3.9e-4
+    assert abs(kept - 0.9) < 2e-3, kept
+    assert abs(float(a1.mean()) - 1.0) < 3e-3  # the scale keeps the expectation
+    a3, _ = one.draw(124)
+    assert (a3 != a1).mean() > 0.1  # another seed, other noise
+    chunks = a1.reshape(-1)[: 4 * (1 << 18)].reshape(4, -1)  # chunks seeded apart, not repeated
+    assert all((chunks[i] != chunks[j]).any() for i in range(4) for j in range(i))
+
+
+class _Dropped(torch.nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.lin(x)).sum(dim=1) + self.drop(x).mean(dim=1)
+
+
+def test_ortmodule_draws_dropout_from_torch_seed_and_its_backward_reuses_the_mask(tmp_path):
+    torch.manual_seed(0)
+    module = _Dropped(0.3).train()
+    wrapped = ORTModule(copy.deepcopy(module), DebugOptions(save_onnx=True, onnx_prefix=str(tmp_path / "m")),
+                        fallback="raise")
+    x = torch.randn(64, 16, requires_grad=True)
+    wrapped(x)  # the build (its export runs the module)
+    forward = onnx.load(tmp_path / "m_execution_model_forward_training.onnx")
+    assert "Dropout" not in {n.op_type for n in forward.graph.node}
+    assert sum(NOISE_KEY in {p.key for p in v.metadata_props} for v in forward.graph.input) == 2
+
+    torch.manual_seed(7)
+    first = wrapped(x)
+    torch.manual_seed(7)
+    again = wrapped(x)
+    other = wrapped(x)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)  # torch's seed repeats the noise
+    assert not torch.equal(other, first)
+
+    # the backward multiplies by the forward's noise: d/dx of drop(x).mean(dim=1) is noise / 16
+    probe = ORTModule(torch.nn.Dropout(0.3).train(), fallback="raise")
+    y = probe(x)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    noise = torch.where(x != 0, y / x, 0.0)
+    scale = torch.tensor(1 / 0.7)
+    assert bool(((noise == 0) | torch.isclose(noise, scale, rtol=1e-6)).all())
+    torch.testing.assert_close(grad, noise, rtol=1e-6, atol=0)
+    dropped = float((y == 0).float().mean())  # 1024 Bernoulli(0.3): standard deviation 0.014
+    assert abs(dropped - 0.3) < 0.07, dropped
+
+
+def test_ortmodule_dropout_under_no_grad_in_train_mode_still_drops():
+    module = torch.nn.Dropout(0.5).train()
+    wrapped = ORTModule(module, fallback="raise")
+    x = torch.ones(32, 32)
+    with torch.no_grad():
+        wrapped(x)
+        y = wrapped(x)
+    assert set(torch.unique(y).tolist()) == {0.0, 2.0}
+    assert 0.35 < float((y == 0).float().mean()) < 0.65
