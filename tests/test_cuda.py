@@ -170,3 +170,19 @@ def test_training_session_with_batch_norm_on_cuda_matches_the_cpu():
     np.testing.assert_allclose(results["cuda"][0], results["cpu"][0], rtol=RTOL)
     for name, value in results["cpu"][1].items():  # eval mode: the running statistics at work
         np.testing.assert_allclose(results["cuda"][1][name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_ortmodule_dropout_noise_is_drawn_on_the_gpu_and_reused_by_the_backward():
+    probe = ORTModule(torch.nn.Dropout(0.3).train().to(DEVICE), fallback="raise")
+    x = torch.randn(64, 64, device=DEVICE, requires_grad=True)
+    probe(x)  # the build
+    torch.manual_seed(3)
+    y = probe(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(probe(x), y, rtol=0, atol=0)  # torch's seed repeats the noise
+    assert y.device == DEVICE
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    noise = torch.where(x != 0, y / x, 0.0)
+    assert bool(((noise == 0) | torch.isclose(noise, torch.tensor(1 / 0.7, device=DEVICE), rtol=1e-6)).all())
+    torch.testing.assert_close(grad, noise, rtol=1e-6, atol=0)
+    assert abs(float((y == 0).float().mean()) - 0.3) < 0.05  # 4096 Bernoulli(0.3): sd 0.007

@@ -94,6 +94,7 @@ from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
 from passes.split import split_forward_backward
 
 logger = logging.getLogger("gradgraph.torch")
+_TORCH_FLOATS: dict[type, torch.dtype] = {np.float32: torch.float32, np.float64: torch.float64}
 
 
 # a warning when a module has been built for this many call signatures
@@ -801,7 +802,7 @@ class _Engine:
         if not self.noise:
             return []
         if self.device.type != "cpu":
-            return [torch.empty(s.shape, dtype=torch.from_numpy(np.empty(0, s.dtype)).dtype, device=self.device)
+            return [torch.empty(s.shape, dtype=_TORCH_FLOATS[s.dtype], device=self.device)
                     .bernoulli_(1.0 - s.ratio).div_(1.0 - s.ratio) for s in self.noise.inputs.values()]
         seed = int(torch.randint(0, 2**62, (1,)).item())
         return [torch.from_numpy(a) for a in self.noise.draw(seed)]
