@@ -1807,6 +1807,45 @@ def simplified_layer_norm(draw, op):
     return Spec(op, inputs, _subset(draw, ["x", "scale"]), attrs, opset=draw(st.sampled_from(OPSETS)))
 
 
+@other("com.microsoft::SkipLayerNormalization", "com.microsoft::SkipSimplifiedLayerNormalization")
+def contrib_skip_norm(draw, op):
+    """onnxruntime's float32 kernels: ``s = x + skip (+ bias)`` normalized over the last axis
+    (LayerNorm with gamma and beta, or RMS norm with gamma), 2-D or 3-D, the skip of x's shape,
+    (S, H) or (1, S, H); the loss reads Y and ``s`` (input_skip_bias_sum), not the statistics.
+    x spaced, skip and bias small: each group of ``s`` keeps a variance >> epsilon."""
+    rng = rng_of(draw)
+    simplified = op == "SkipSimplifiedLayerNormalization"
+    shape = draw(shape_st(2, 3, 2))
+    skip_shape = draw(st.sampled_from([shape] + ([shape[1:], (1, *shape[1:])] if len(shape) == 3 else [])))
+    hidden = shape[-1:]
+    inputs = [("x", spread(rng, shape, np.float32)), ("skip", uniform(rng, skip_shape, -0.05, 0.05, np.float32)),
+              ("gamma", uniform(rng, hidden, 0.5, 1.5, np.float32))]
+    if not simplified:
+        inputs.append(("beta", uniform(rng, hidden, -1, 1, np.float32) if draw(st.booleans()) else None))
+    with_bias = draw(st.booleans())
+    inputs.append(("bias", uniform(rng, hidden, -0.05, 0.05, np.float32) if with_bias else None))
+    while inputs[-1][1] is None:
+        inputs.pop()
+    attrs = {"epsilon": draw(st.sampled_from([1e-5, 1e-2]))} if draw(st.booleans()) else {}
+    eps = attrs.get("epsilon", 1e-12)
+
+    def forward(values, attrs):
+        total = values["x"] + values["skip"] + (values["bias"] if "bias" in values else 0.0)
+        if simplified:
+            inv = 1.0 / np.sqrt((total * total).mean(-1, keepdims=True) + eps)
+            mean = np.zeros_like(inv)
+            y = total * inv * values["gamma"]
+        else:
+            mean = total.mean(-1, keepdims=True)
+            inv = 1.0 / np.sqrt(((total - mean) ** 2).mean(-1, keepdims=True) + eps)
+            y = (total - mean) * inv * values["gamma"] + (values["beta"] if "beta" in values else 0.0)
+        return [y, mean, inv, total]
+
+    names = [n for n, v in inputs if v is not None]
+    return Spec(op, inputs, _subset(draw, names), attrs, domain="com.microsoft", outputs=4, loss_outputs=(0, 3),
+                custom=_numpy_oracle(forward))
+
+
 @other("RotaryEmbedding")
 def rotary_embedding(draw, op):
     """4-D (B, H, S, D) or 3-D (B, S, H * D) x; cos / sin per (batch, position) or a cache

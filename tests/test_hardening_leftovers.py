@@ -175,19 +175,20 @@ def test_strict_load_of_a_matching_checkpoint_does_not_warn(tmp_path: Path, recw
 # ---- 2. --save-stages is all or nothing ------------------------------------------------------
 # An op with no gradient rule that onnxruntime runs: a contrib op (not a model-local function:
 # the forward stage inlines those, and every default-domain op has a rule or is a stop).
-NO_RULE_DOMAIN, NO_RULE_OP = "com.microsoft", "SkipSimplifiedLayerNormalization"
+NO_RULE_DOMAIN, NO_RULE_OP = "com.microsoft", "Inverse"
 
 
 @pytest.fixture(scope="module")
 def failing_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Its forward stage succeeds, its gradient stage fails (SkipSimplifiedLayerNormalization has no
+    """Its forward stage succeeds, its gradient stage fails (com.microsoft's Inverse has no
     gradient rule)."""
     assert lookup(NO_RULE_DOMAIN, NO_RULE_OP, 1) is None, f"{NO_RULE_OP} has a rule now: pick another op"
     path = tmp_path_factory.mktemp("failing") / "no_rule.onnx"
     onnx.save(onnx.parser.parse_model(f"""<ir_version: 9, opset_import: ["" : 18, "{NO_RULE_DOMAIN}" : 1]>
-g (float[2,3] x) => (float loss) <float[3,3] w = {{1,2,3,4,5,6,7,8,9}}, float[3] gm = {{1,1,1}}> {{
+g (float[2,3] x) => (float loss) <float[3,3] w = {{1,2,3,4,5,6,7,8,9}}, float[3,2] v = {{1,0,0,1,1,1}}> {{
  y = MatMul(x, w)
- z = {NO_RULE_DOMAIN}.{NO_RULE_OP}(y, y, gm)
+ s = MatMul(y, v)
+ z = {NO_RULE_DOMAIN}.{NO_RULE_OP}(s)
  loss = ReduceSum<keepdims=0>(z)
 }}"""), str(path))
     return path

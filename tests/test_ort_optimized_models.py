@@ -126,3 +126,35 @@ def test_a_generator_of_weights_is_read_once() -> None:
     model = _original()
     grads = build_gradient_graph(model, "loss", (name for name in ["W"]))
     assert [o.name for o in grads.graph.output] == ["loss", "W_grad"]
+
+
+def test_bert_style_skip_layer_norm_between_matmuls() -> None:
+    """onnxruntime's transformer optimizer writes a residual Add + LayerNormalization as
+    com.microsoft SkipLayerNormalization (here with its bias and its input_skip_bias_sum output
+    read by the next residual, shaped by ContribShapesPass for the MatMul rules after it):
+    gradients against float64 torch."""
+    import torch
+
+    mk = helper.make_node
+    graph = helper.make_graph(
+        [mk("MatMul", ["x", "W"], ["h"]),
+         mk("SkipLayerNormalization", ["h", "x", "g", "b", "bias"], ["n", "", "", "s"], domain="com.microsoft"),
+         mk("MatMul", ["n", "V"], ["y"]), mk("Add", ["y", "s"], ["z"]),
+         mk("ReduceSumSquare", ["z"], ["loss"], keepdims=0)],
+        "skip", [helper.make_tensor_value_info(k, TensorProto.FLOAT, shape) for k, shape in
+                 (("x", [2, 3, 8]), ("W", [8, 8]), ("g", [8]), ("b", [8]), ("bias", [8]), ("V", [8, 8]))],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    rng = np.random.default_rng(3)
+    names = ["x", "W", "g", "b", "bias", "V"]
+    feeds = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in
+             zip(names, ((2, 3, 8), (8, 8), (8,), (8,), (8,), (8, 8)))}
+    grad_model = build_gradient_graph(model, "loss", names)
+    session = ort.InferenceSession(grad_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run([f"{k}_grad" for k in names], feeds)
+    x, w, g, b, bias, v = (torch.tensor(feeds[k], dtype=torch.float64, requires_grad=True) for k in names)
+    s = x @ w + x + bias
+    n = torch.nn.functional.layer_norm(s, (8,), g, b, eps=1e-12)
+    ((n @ v + s) ** 2).sum().backward()
+    for name, ours, ref in zip(names, got, (x.grad, w.grad, g.grad, b.grad, bias.grad, v.grad), strict=True):
+        np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-4, atol=1e-3, err_msg=name)

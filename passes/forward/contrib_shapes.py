@@ -2,7 +2,8 @@
 
 onnx's shape inference does not know the ``com.microsoft`` ops, so in a model that
 onnxruntime's optimizer saved (``SessionOptions.optimized_model_filepath``, its transformer
-optimizer) the outputs of FusedMatMul, Gelu, FastGelu, BiasGelu and QuickGelu, and every value
+optimizer) the outputs of FusedMatMul, Gelu, FastGelu, BiasGelu, QuickGelu,
+SkipLayerNormalization and SkipSimplifiedLayerNormalization, and every value
 computed from them, have no shape (as do those of ``SimplifiedLayerNormalization``, the RMS
 norm onnxruntime defines in the default domain); rules that need a rank (MatMul's, Softmax's, ...) then
 fail. This pass walks the graph in order once: a contrib op's output gets the shape its
@@ -30,6 +31,9 @@ MS_DOMAIN = "com.microsoft"
 # 23, written by its optimizers and LLaMA-style exports): they load in stock onnxruntime.
 ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
 _SAME_SHAPE = frozenset({"Gelu", "FastGelu", "BiasGelu", "QuickGelu", "SimplifiedLayerNormalization"})
+# outputs Y, mean, inverse std (or RMS), input_skip_bias_sum: Y and the sum shaped as the input,
+# the statistics as the input with a last axis of 1 (float32: onnxruntime's kernels keep them so)
+_SKIP_NORMS = frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"})
 
 
 def _is_contrib(node: ir.Node) -> bool:
@@ -91,6 +95,24 @@ def _contrib_shape(node: ir.Node) -> ir.Shape | None:
     return None
 
 
+def _shape_skip_norm(node: ir.Node) -> bool:
+    """SkipLayerNormalization's outputs (``_SKIP_NORMS``) shaped from its input's; modified?"""
+    x = node.inputs[0]
+    if x is None or x.shape is None:
+        return False
+    dims = list(x.shape)
+    modified = False
+    for index, value in enumerate(node.outputs):
+        if value.shape is not None:
+            continue
+        statistic = index in (1, 2)
+        value.shape = ir.Shape([*dims[:-1], 1] if statistic and dims else dims)
+        if value.type is None:
+            value.type = ir.TensorType(ir.DataType.FLOAT) if statistic else x.type
+        modified = True
+    return modified
+
+
 def _shape_of_reshape(node: ir.Node) -> ir.Shape | None:
     """``Reshape(x, Shape(v))`` is shaped as ``v``: onnx's data propagation does not see through
     a Shape of opset 13 (torch's legacy GroupNorm export at opset 13 reshapes back that way)."""
@@ -146,7 +168,9 @@ class ContribShapesPass(InPlacePass):
         for node in graph:
             if all(v.shape is not None for v in node.outputs):
                 continue
-            if _is_contrib(node):
+            if node.domain == MS_DOMAIN and node.op_type in _SKIP_NORMS:
+                modified |= _shape_skip_norm(node)
+            elif _is_contrib(node):
                 shape = _contrib_shape(node)
                 if shape is not None and node.outputs[0].shape is None:
                     node.outputs[0].shape = shape

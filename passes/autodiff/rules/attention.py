@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from passes.autodiff.registry import grad_rule
 from passes.autodiff.rules.elementwise import swish_derivative
-from passes.autodiff.rules.nn import _grad_of, _sum_parts
+from passes.autodiff.rules.nn import _grad_of, _norm_input_grad, _normalized, _sum_parts
 
 INT64_MAX = np.iinfo(np.int64).max
 # qk_matmul_output_mode: the 4th output is the raw scaled Q K^T (0), after softcap (1), after the
@@ -318,6 +318,57 @@ def _simplified_layer_norm(b, n, g):
         raise ValueError("a loss reads SimplifiedLayerNormalization's inverse RMS output; its gradient "
                          "through that output is not supported")
     return _rms_norm(b, n, g[:1])
+
+
+# onnxruntime's default epsilon of SkipLayerNormalization / SkipSimplifiedLayerNormalization
+# (kDefaultSkipLayerNormEpsilon in its contrib op definitions)
+_SKIP_NORM_EPSILON = 1e-12
+
+
+def _skip_norm(b, n, g, simplified: bool):
+    """onnxruntime's SkipLayerNormalization (inputs x, skip, gamma, beta?, bias?) and
+    SkipSimplifiedLayerNormalization (x, skip, gamma, bias?): ``s = x + skip (+ bias)``
+    normalized over the last axis (LayerNormalization's or RMSNormalization's formula), its
+    outputs Y, the statistics (mean, inverse std / RMS: no loss reads through them) and ``s``
+    itself (input_skip_bias_sum). Registered with broadcast: the engine sums each full-shape
+    gradient down to its input (a skip of (S, H) or (1, S, H), the per-hidden gamma, beta, bias)."""
+    x, skip, gamma = n.inputs[0], n.inputs[1], n.inputs[2]
+    if any(len(g) > k and g[k] is not None for k in (1, 2)):
+        raise ValueError(f"a loss reads {n.op_type}'s mean or inverse standard deviation output; its "
+                         "gradient through those statistics is not supported")
+    bias_index = 3 if simplified else 4
+    s = x + skip
+    if n.has_input(bias_index):
+        s = s + n.inputs[bias_index]
+    eps = n.attr("epsilon", _SKIP_NORM_EPSILON)
+    go, g_sum = g[0], _grad_of(b, g, 3, x)
+    if simplified:
+        inv = b.Reciprocal(b.Sqrt(b.reduce("ReduceMean", s * s, [-1]) + eps))
+        xhat = s * inv
+    else:
+        xhat, inv = _normalized(b, s, [-1], eps)
+    ds = None
+    if go is not None and any(n.needs_grad(k) for k in (0, 1, bias_index)):
+        dxhat = go * gamma
+        ds = (inv * (dxhat - xhat * b.reduce("ReduceMean", dxhat * xhat, [-1])) if simplified
+              else _norm_input_grad(b, dxhat, xhat, inv, [-1]))
+    ds = _sum_parts(b, [ds, g_sum])
+    dgamma = go * xhat if go is not None and n.needs_grad(2) else None
+    grads = [ds, ds, dgamma]
+    if not simplified:
+        grads.append(go if go is not None and n.needs_grad(3) else None)
+    grads.append(ds)
+    return grads
+
+
+@grad_rule("SkipLayerNormalization", domain="com.microsoft", broadcast=True)
+def _ms_skip_layer_norm(b, n, g):
+    return _skip_norm(b, n, g, simplified=False)
+
+
+@grad_rule("SkipSimplifiedLayerNormalization", domain="com.microsoft", broadcast=True)
+def _ms_skip_simplified_layer_norm(b, n, g):
+    return _skip_norm(b, n, g, simplified=True)
 
 
 @grad_rule("MeanVarianceNormalization", since=13)
