@@ -152,3 +152,47 @@ def test_ortmodule_dropout_under_no_grad_in_train_mode_still_drops():
         y = wrapped(x)
     assert set(torch.unique(y).tolist()) == {0.0, 2.0}
     assert 0.35 < float((y == 0).float().mean()) < 0.65
+
+
+def test_two_dropouts_of_one_tensor_stay_two_draws_through_the_optimizer():
+    """SimCSE / R-Drop: one encoder run twice on one batch; onnxscript's optimizer merged the
+    two Dropouts (same op, inputs and attributes) into one, so both views had one mask."""
+
+    class TwoViews(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Dropout(0.2), torch.nn.Linear(64, 16))
+
+        def forward(self, x):
+            return (self.enc(x) - self.enc(x)).abs().amax()
+
+    torch.manual_seed(0)
+    wrapped = ORTModule(TwoViews().train(), fallback="raise")
+    x = torch.randn(8, 32)
+    wrapped(x)
+    assert float(wrapped(x).detach()) > 0.0  # two masks: the views differ
+    with torch.no_grad():
+        assert float(wrapped(x)) > 0.0
+
+
+def test_seed_random_ops_gives_distinct_seeds_and_keeps_given_ones():
+    from passes.forward.random_seeds import SeedRandomOpsPass
+
+    model = ir.from_proto(onnx.parser.parse_model("""<ir_version: 9, opset_import: ["" : 17]>
+g (float[4] x, bool c) => (float a, float b, float d, float e, float u, float w) <float r = {0.5}, bool t = {1}, bool f = {0}> {
+    a = Dropout(x, r, t)
+    b = Dropout(x, r, t)
+    d = Dropout<seed = 5.0>(x, r, t)
+    e = Dropout(x, r, f)
+    u = RandomUniformLike(x)
+    w = If(c) <then_branch = g1 () => (float o) { o = RandomUniformLike(x) },
+               else_branch = g2 () => (float o) { o = Identity(x) }>
+}"""))
+    assert SeedRandomOpsPass(11)(model).modified
+    nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
+    seeded = {n.outputs[0].name: n.attributes["seed"].as_float() for n in nodes if "seed" in n.attributes}
+    assert set(seeded) == {"a", "b", "d", "u", "o"}  # not the inference Dropout, not the If
+    assert seeded["d"] == 5.0
+    new = [seeded[k] for k in ("a", "b", "u", "o")]
+    assert len(set(new)) == 4 and all(float(int(v)) == v for v in new)
+    assert not SeedRandomOpsPass(11)(model).modified  # every random node has a seed now

@@ -80,6 +80,7 @@ from passes.cleanup import RANDOM_OPS
 from passes.forward.distinct_outputs import DistinctOutputsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
 from passes.forward.prepare import PrepareForGradientPass
+from passes.forward.random_seeds import SeedRandomOpsPass
 from passes.kernels import (
     DecomposeTrainingBatchNormPass,
     DropoutNoisePass,
@@ -691,6 +692,9 @@ class _Engine:
         # otherwise rename such an input (``input_0_orig``) to keep the output's name.
         DistinctOutputsPass()(model)
         if owner._optimize:
+            # each random node its own seed first: the optimizer's common-subexpression
+            # elimination merged two Dropouts of one tensor (SimCSE's two views) into one
+            SeedRandomOpsPass(int(torch.randint(0, 2**62, (1,)).item()))(model)
             model = _optimized(model)
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
         PrepareForGradientPass(strict_parameters=False)(model)

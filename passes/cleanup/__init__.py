@@ -1,6 +1,6 @@
 """Graph cleanup: constant folding, identity removal, CSE and dead-code removal (see CleanupPass)."""
 
-from passes.cleanup._common import RANDOM_OPS
+from passes.cleanup._common import RANDOM_OPS, is_random
 from passes.cleanup.cleanup_pass import CleanupOptions, CleanupPass
 from passes.cleanup.cse import CommonSubexpressionEliminationPass
 from passes.cleanup.dead_code import DeadCodeEliminationPass
@@ -15,4 +15,5 @@ __all__ = [
     "FoldConstantNodesPass",
     "IdentityEliminationPass",
     "RANDOM_OPS",
+    "is_random",
 ]
