@@ -13,6 +13,7 @@ its ``bernoulli_`` + ``div_`` 41 ms (which is why torch does not draw them on th
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,6 +24,18 @@ from passes.kernels.dropout_noise import NoiseInput
 CHUNK = 1 << 18
 _pools: dict[int, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's pool threads do not exist there (a pool kept would wait
+    for them forever), so the child makes its own."""
+    global _lock
+    _pools.clear()
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:

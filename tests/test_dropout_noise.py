@@ -196,3 +196,25 @@ g (float[4] x, bool c) => (float a, float b, float d, float e, float u, float w)
     new = [seeded[k] for k in ("a", "b", "u", "o")]
     assert len(set(new)) == 4 and all(float(int(v)) == v for v in new)
     assert not SeedRandomOpsPass(11)(model).modified  # every random node has a seed now
+
+
+def _draw_in_child(queue) -> None:
+    noise = DropoutNoise({"a": NoiseInput((4, 1 << 18), np.float32, 0.5)}, threads=2)
+    queue.put(float(noise.draw(1)[0].mean()))
+
+
+def test_noise_draws_in_a_forked_child_after_the_parent_drew():
+    """The parent's pool threads do not exist in a forked child (DataLoader workers, a fork
+    server): the child makes its own pool instead of waiting for them forever."""
+    import multiprocessing
+
+    DropoutNoise({"a": NoiseInput((4, 1 << 18), np.float32, 0.5)}, threads=2).draw(0)  # the parent's pool
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_draw_in_child, args=(queue,))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung drawing dropout noise")
+    assert child.exitcode == 0 and abs(queue.get(timeout=5) - 1.0) < 0.05

@@ -445,3 +445,17 @@ def test_tanh_gelu_gradient_is_finite_in_float16(domain: str) -> None:
     want = 0.5 * (1 + t) + 0.5 * x64 * (1 - t * t) * k * (1 + 3 * a * x64 * x64)
     assert dx.dtype == np.float16 and np.isfinite(dx).all(), dx
     np.testing.assert_allclose(dx.astype(np.float64), want, rtol=4e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("op", ["ReduceMax", "ReduceMin", "ReduceProd", "ReduceMean", "ReduceL2",
+                                "ReduceLogSumExp", "ReduceSumSquare"])
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_an_explicit_empty_axes_attribute_reduces_every_axis(op, keepdims):
+    """Before opset 18 ``axes=[]`` (torch's legacy export of ``t.amax()`` / ``t.amin()``) reduces
+    every axis, as no attribute does; the rules read it as "no axis" (a NaN or wrong gradient).
+    Against float64 central differences."""
+    model, feeds = make_model(op, {"x": (3, 4)}, {"keepdims": keepdims}, opset=17)
+    node = next(n for n in model.graph.node if n.op_type == op)
+    node.attribute.append(helper.make_attribute("axes", [], attr_type=onnx.AttributeProto.INTS))
+    assert ReferenceEvaluator(model).run(["y"], feeds)[0].size == 1  # the runtime's meaning: all axes
+    assert_fd(model, feeds)

@@ -12,8 +12,8 @@ from passes.autodiff.registry import grad_rule
 def _axes(b, n):
     """The reduction axes: a list ([] = none, the no-op case), a Var, or None (= all axes)."""
     noop = bool(n.attr("noop_with_empty_axes", 0))
-    if n.attr("axes") is not None:
-        return n.attr("axes")
+    if n.attr("axes") is not None:  # the attribute form: an empty list is every axis, as no list
+        return list(n.attr("axes")) or ([] if noop else None)
     if n.has_input(1):
         const = n.const_input(1)
         if const is None:
