@@ -218,3 +218,96 @@ def test_noise_draws_in_a_forked_child_after_the_parent_drew():
         child.kill()
         pytest.fail("the forked child hung drawing dropout noise")
     assert child.exitcode == 0 and abs(queue.get(timeout=5) - 1.0) < 0.05
+
+
+class _Attention(torch.nn.Module):
+    """scaled_dot_product_attention with dropout, then an ordinary Dropout (with the graph
+    drawing random numbers, the first call's comparison with PyTorch is skipped)."""
+
+    def __init__(self, attn_p: float) -> None:
+        super().__init__()
+        self.attn_p = attn_p
+        self.qkv = torch.nn.Linear(8, 24)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_p)
+        return self.drop(out).sum()
+
+
+def test_attention_dropout_is_applied_and_its_gradient_matches_central_differences():
+    """torchlib wrote SDPA's dropout as an inference Dropout (the identity, then removed):
+    attention dropout vanished. Float64; the noise repeated by torch's seed, so the loss is a
+    function of the weights that central differences (step 1e-6) can check."""
+    torch.manual_seed(0)
+    module = _Attention(0.5).double().train()
+    wrapped = ORTModule(module, fallback="raise")
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+
+    def loss() -> torch.Tensor:
+        torch.manual_seed(123)
+        return wrapped(x)
+
+    with torch.no_grad():
+        module.attn_p = 0.0
+        without = float(loss())
+        module.attn_p = 0.5
+        assert float(loss()) != without  # the attention's dropout is there
+    value = loss()
+    value.backward()
+    weight = module.qkv.weight
+    analytic = weight.grad.clone()
+    with torch.no_grad():
+        for index in [(0, 0), (3, 5), (9, 2), (17, 7), (23, 1)]:
+            saved = float(weight[index])
+            weight[index] = saved + 1e-6
+            up = float(loss())
+            weight[index] = saved - 1e-6
+            down = float(loss())
+            weight[index] = saved
+            np.testing.assert_allclose(float(analytic[index]), (up - down) / 2e-6, rtol=1e-5, atol=1e-7)
+
+
+def test_torch_seed_repeats_a_signatures_first_call():
+    """The export's run of the module drew from torch's generator before the noise's seed."""
+    wrapped = ORTModule(_Dropped(0.5).train(), fallback="raise")
+    x = torch.randn(16, 16)
+    torch.manual_seed(5)
+    first = wrapped(x)  # exports and builds, then runs
+    torch.manual_seed(5)
+    torch.testing.assert_close(wrapped(x), first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("p, dtype", [(0.999, torch.float32), (0.3, torch.float64)])
+def test_the_scale_is_one_over_one_minus_the_modules_p(p, dtype):
+    """The exporter's float32 ratio is read as the p it rounds (0.999, not 0.99900001)."""
+    wrapped = ORTModule(torch.nn.Dropout(p).train(), fallback="raise")
+    x = torch.ones(20000, dtype=dtype)
+    y = wrapped(x)
+    kept = y[y != 0]
+    assert kept.numel() > 0
+    torch.testing.assert_close(kept, torch.full_like(kept, 1 / (1 - p)), rtol=1e-7 if dtype == torch.float32 else 1e-15,
+                               atol=0)
+
+
+def test_dropout_of_p_one_gives_zeros_in_onnxruntime():
+    """onnxruntime's kernel refuses ratio 1 (the signature fell back to PyTorch, its warning
+    blaming the export): Y = X * 0."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(1.0)).train()
+    wrapped = ORTModule(module, fallback="raise")
+    y = wrapped(torch.randn(3, 4))
+    assert not bool(y.any())
+    y.sum().backward()
+    assert not bool(module[0].weight.grad.any())
+
+
+def test_a_submodule_replaced_on_the_wrapped_module_rebuilds():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    wrapped = ORTModule(net, fallback="raise")
+    x = torch.randn(2, 4)
+    wrapped(x)
+    net[1] = torch.nn.Sigmoid()  # same plain attributes, another class
+    torch.testing.assert_close(wrapped(x), net(x))
+    net[1].forward = lambda t: t * 2  # a forward set on the instance
+    torch.testing.assert_close(wrapped(x), net(x))

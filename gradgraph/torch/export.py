@@ -39,6 +39,8 @@ Exporter traps (torch 2.13), handled here:
    silently: ``embedding`` / ``embedding_bag`` with ``scale_grad_by_freq=True`` (each row's
    gradient divided by its index's count in the batch). With ``stop_gradients=True`` the probe
    run sees such a call and the export is refused, naming it.
+10. torchlib writes ``scaled_dot_product_attention``'s dropout as an inference Dropout (no
+   ``training_mode``: the identity): :func:`_attention_dropout_in_training`.
 """
 
 from __future__ import annotations
@@ -619,5 +621,32 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
             raise ValueError(f"exporter must be 'auto', 'dynamo' or 'legacy', not {which!r}")
         model = onnx.load(path)
         if which == "dynamo":  # translations' unused outputs (embedding_bag's) go
-            return ir.to_proto(common_passes.RemoveUnusedNodesPass()(ir.from_proto(model)).model)
+            graph = common_passes.RemoveUnusedNodesPass()(ir.from_proto(model)).model
+            _attention_dropout_in_training(graph)
+            return ir.to_proto(graph)
         return model
+
+
+def _attention_dropout_in_training(model: ir.Model) -> None:
+    """Trap 10: torchlib writes scaled_dot_product_attention's ``dropout_p`` as
+    ``Dropout(weights, p)`` without ``training_mode``, which ONNX defines as inference (the
+    identity: the optimizer removes it, and attention dropout silently vanished from HF
+    models' default "sdpa" attention and nn.TransformerEncoderLayer). torch applies it whenever
+    ``dropout_p > 0`` (whatever the module's mode; modules pass 0 in eval): those Dropouts get
+    ``training_mode`` true."""
+    on = None
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
+            continue
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            continue
+        if "scaled_dot_product" not in node.metadata_props.get("pkg.torch.onnx.class_hierarchy", ""):
+            continue
+        if on is None:
+            on = ir.Value(name="gradgraph_attention_dropout_training", const_value=ir.tensor(np.array(True)))
+            on.type, on.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([])
+            model.graph.register_initializer(on)
+        if len(node.inputs) < 2:
+            node.resize_inputs(2)  # the default ratio, 0.5, stays: an absent input
+        node.resize_inputs(3)
+        node.replace_input_with(2, on)

@@ -235,7 +235,8 @@ def _optimized(model: ir.Model) -> ir.Model:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        result = onnxscript.optimizer.optimize(model)
+        with np.errstate(all="ignore"):  # constant folding of log(0) and the like (T5's buckets)
+            result = onnxscript.optimizer.optimize(model)
         onnx.checker.check_model(ir.to_proto(result))
         return result
     except Exception as exc:  # noqa: BLE001 - the unoptimized graph is still right
@@ -572,7 +573,8 @@ def _is_plain(value: Any) -> bool:
 
 def _plain_attrs(module: torch.nn.Module, skip: dict[int, frozenset[str]]) -> tuple:
     """Every submodule's attributes as :func:`_attr_key` holds them, less ``skip``'s (by ``id``
-    of the submodule), and the handles of its hooks. Run on every call: kept fast."""
+    of the submodule), the handles of its hooks, its class and identity and a forward set on
+    it. Run on every call: kept fast."""
     held = []
     for m in module.modules():
         skipped = skip.get(id(m))
@@ -590,6 +592,9 @@ def _plain_attrs(module: torch.nn.Module, skip: dict[int, frozenset[str]]) -> tu
             if skipped is None or k not in skipped:
                 items.append((k, key))
         items.append(tuple(tuple(getattr(m, h, {}).keys()) for h in _HOOK_DICTS))
+        # which module is there (a submodule replaced on the wrapped module: model.module.block[0]
+        # = nn.Sigmoid()), and a forward set on the instance
+        items.append((type(m), id(m), id(vars(m).get("forward"))))
         held.append(tuple(items))
     return tuple(held)
 
@@ -1144,10 +1149,16 @@ class ORTModule(torch.nn.Module):
                 cuda_providers(device)  # no CUDA provider: say so before exporting
             norms = _training_batch_norms(self.module)  # refuses what is unsupported before exporting
             _check_hooks(self.module, training, self._hook_warned)
-            exported = export_call(self.module, args, kwargs, training=self.module.training,
-                                   stop_gradients=training)
-            exported_at = time.perf_counter()
-            engine = _Engine(self, exported, tensors, training, norms, device)
+            # the export's run of the module (its dropouts) and the build draw from torch's
+            # generators on a copy of their state: torch.manual_seed repeats a signature's first
+            # call as it repeats the later ones
+            cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
+                if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):
+                exported = export_call(self.module, args, kwargs, training=self.module.training,
+                                       stop_gradients=training)
+                exported_at = time.perf_counter()
+                engine = _Engine(self, exported, tensors, training, norms, device)
         except Exception as exc:  # noqa: BLE001 - any failure falls back (or is raised) with its reason
             self._fail(exc)
             return None

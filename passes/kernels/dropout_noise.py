@@ -20,8 +20,11 @@ caller feeds new noise on every run (the same noise twice repeats the mask).
 
 Rewritten: a default-domain Dropout (opset 12 or later) of the main graph whose
 ``training_mode`` is the constant true, whose ratio is absent (0.5) or a constant in (0, 1),
-whose input is float32 or float64 of a known static shape. Anything else is left alone
-(inference Dropout is the identity; a ratio of 0 or 1 or one computed at run time stays
+whose input is float32 or float64 of a known static shape; a float32 ratio is read as its
+shortest decimal (the exporter's rounding of the user's p: 0.999, not 0.99900001, whose scale
+differs by 1.3e-5). A ratio of exactly 1, which onnxruntime's kernel refuses, with its mask
+unread, becomes ``Y = X * 0`` (torch's result) for any input. Anything else is left alone
+(inference Dropout is the identity; a ratio of 0 or one computed at run time stays
 onnxruntime's). The ``seed`` attribute goes with the node: the caller's draws decide.
 """
 
@@ -60,8 +63,17 @@ def _ratio(node: ir.Node) -> float | None:
         value = const_array(node.inputs[1])
         if value is None or value.size != 1:
             return None
-        ratio = float(value.reshape(()))
-    return ratio if 0.0 < ratio < 1.0 else None
+        # an exporter's float32 ratio is the user's decimal p rounded (0.999 -> 0.99900001):
+        # its shortest decimal (a numpy scalar's: its dtype decides) is that p, whose scale
+        # 1 / (1 - p) torch uses
+        scalar = value.dtype.type(value.reshape(-1)[0])
+        ratio = float(scalar) if value.dtype == np.float64 else float(np.format_float_positional(scalar, unique=True))
+    return ratio if 0.0 < ratio <= 1.0 else None
+
+
+def _mask_unread(node: ir.Node) -> bool:
+    mask = node.outputs[1] if len(node.outputs) > 1 else None
+    return mask is None or not (mask.uses() or mask.is_graph_output())
 
 
 def _static_shape(value: ir.Value | None) -> tuple[int, ...] | None:
@@ -79,14 +91,34 @@ class DropoutNoisePass(InPlacePass):
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
         if opset < 12:  # training_mode became an input at opset 12
             return PassResult(model, False)
-        found = [(n, r, s) for n in graph if n.op_type == "Dropout" and n.domain in DEFAULT_DOMAINS
-                 and (r := _ratio(n)) is not None and (s := _static_shape(n.inputs[0])) is not None]
+        dropouts = [(n, r) for n in graph if n.op_type == "Dropout" and n.domain in DEFAULT_DOMAINS
+                    and (r := _ratio(n)) is not None]
+        dropped = [n for n, r in dropouts if r == 1.0 and _mask_unread(n)]
+        for node in dropped:
+            self._drop_all(graph, node)
+        found = [(n, r, s) for n, r in dropouts if r < 1.0 and (s := _static_shape(n.inputs[0])) is not None]
         if found:
             taken = ({v.name for v in graph.inputs} | set(graph.initializers)
                      | {v.name for n in graph for v in n.outputs})
             for node, ratio, shape in found:
                 self._rewrite(graph, node, ratio, shape, taken)
-        return PassResult(model, bool(found))
+        return PassResult(model, bool(found or dropped))
+
+    @staticmethod
+    def _drop_all(graph: ir.Graph, node: ir.Node) -> None:
+        """Ratio 1 (onnxruntime's kernel refuses it): ``Y = X * 0``, as torch computes it."""
+        x = node.inputs[0]
+        assert x is not None and x.dtype is not None
+        zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, x.dtype.numpy()))},
+                       name=f"{node.name}/dropped_zero")
+        apply = ir.node("Mul", [x, zero.outputs[0]], name=f"{node.name}/dropped")
+        zero.outputs[0].name = f"{node.name}/dropped_zero"
+        apply.outputs[0].type, apply.outputs[0].shape = x.type, x.shape
+        for new in (zero, apply):
+            new.metadata_props.update(node.metadata_props)
+        graph.insert_before(node, [zero, apply])
+        take_over(graph, node.outputs[0], apply.outputs[0])
+        graph.remove(node, safe=True)
 
     @staticmethod
     def _rewrite(graph: ir.Graph, node: ir.Node, ratio: float, shape: tuple[int, ...], taken: set) -> None:
@@ -104,7 +136,8 @@ class DropoutNoisePass(InPlacePass):
         apply.outputs[0].type, apply.outputs[0].shape = ir.TensorType(x.dtype), ir.Shape(shape)
         made = [apply]
         mask = node.outputs[1] if len(node.outputs) > 1 else None
-        if mask is not None and (mask.uses() or mask.is_graph_output()):
+        if not _mask_unread(node):
+            assert mask is not None
             zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, _TYPES[x.dtype]))},
                            name=f"{node.name or name}/noise_zero")
             kept = ir.node("Greater", [noise, zero.outputs[0]], name=f"{node.name or name}/noise_mask")
