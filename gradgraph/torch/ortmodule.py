@@ -696,10 +696,10 @@ class _Engine:
         # value (a seed each; torch sums their gradients). Before the optimizer, which would
         # otherwise rename such an input (``input_0_orig``) to keep the output's name.
         DistinctOutputsPass()(model)
+        # each random node its own seed, from torch's generator: the optimizer's common-
+        # subexpression elimination merged two Dropouts of one tensor (SimCSE's two views)
+        SeedRandomOpsPass(int(torch.randint(0, 2**62, (1,)).item()))(model)
         if owner._optimize:
-            # each random node its own seed first: the optimizer's common-subexpression
-            # elimination merged two Dropouts of one tensor (SimCSE's two views) into one
-            SeedRandomOpsPass(int(torch.randint(0, 2**62, (1,)).item()))(model)
             model = _optimized(model)
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
         PrepareForGradientPass(strict_parameters=False)(model)
