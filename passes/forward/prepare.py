@@ -10,12 +10,18 @@
    optimizer computes a training-mode BatchNormalization whose statistics go unused as an
    inference one);
 4. sort topologically, type sequence outputs, infer types and shapes (rules read them; through
-   onnxruntime's contrib ops too, :mod:`passes.forward.contrib_shapes`).
+   onnxruntime's contrib ops too, :mod:`passes.forward.contrib_shapes`). A graph output's
+   declared shape is checked against the inferred one: where they contradict each other (a
+   rank or a fixed size differs; torch 2.13's dynamo export declares a per-sample loss
+   ``[]``), the inferred shape is kept, with a warning naming the output (rules and
+   reductions that trusted ``[]`` gave wrong gradients or graphs onnxruntime refused).
 
 Initializers, graph inputs and outputs are kept: the forward model computes what it did.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common
@@ -54,8 +60,32 @@ class PrepareForGradientPass(InPlacePass):
             ContribShapesPass(),  # through onnxruntime's contrib ops, which onnx does not know
             TypeSequenceOutputsPass(),  # what inference typed as tensors (element dtype unknown before)
         )
+        declared = {v.name: v.shape for v in model.graph.outputs if v.shape is not None}
+        for value in model.graph.outputs:  # inferred afresh, then compared (module docstring)
+            value.shape = None
         try:
             result = steps(model)
         except PassError as exc:
             raise unwrap_pass_errors(exc) from exc
-        return PassResult(result.model, result.modified)
+        _check_declared_shapes(result.model.graph, declared)
+        return PassResult(result.model, result.modified or bool(declared))
+
+
+def _contradicts(declared: ir.Shape, inferred: ir.Shape) -> bool:
+    return len(declared) != len(inferred) or any(
+        isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(declared, inferred))
+
+
+def _check_declared_shapes(graph: ir.Graph, declared: dict[str | None, ir.Shape]) -> None:
+    """Each output keeps its declared shape, unless inference contradicts it (then warned)."""
+    for value in graph.outputs:
+        shape = declared.get(value.name)
+        if shape is None:
+            continue
+        if value.shape is None or not _contradicts(shape, value.shape):
+            value.shape = shape
+            continue
+        warnings.warn(f"graph output {value.name!r} is declared with shape {[str(d) for d in shape]} but "
+                      f"the graph computes shape {[str(d) for d in value.shape]}; the computed shape is "
+                      "used (fix the declaration in the model: torch 2.13's exporter declares a "
+                      "per-sample loss as a scalar)", UserWarning, stacklevel=2)
