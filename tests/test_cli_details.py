@@ -248,3 +248,28 @@ def test_cast_flags_without_a_level_warn_and_recompute_needs_a_pattern(tmp_path:
         cli_main(["build", str(EXAMPLE), "--loss", "loss", "--recompute", "--save-stages", str(tmp_path / "t")])
     assert exit_info.value.code == 2
     assert "--recompute: expected at least one argument" in capsys.readouterr().err
+
+
+def test_list_weights_shows_what_weights_and_freeze_leave_trained(capsys) -> None:
+    names = [i.name for i in onnx.load(EXAMPLE).graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
+    first, second = names[0], names[1]
+    assert cli_main(["train", str(EXAMPLE), "--loss", "loss", "--freeze", first, "--list-weights"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:-1]}
+    assert " no " in rows[first] and "--freeze" in rows[first] and " yes " in rows[second]
+    assert cli_main(["grad", str(EXAMPLE), "--loss", "loss", "--weights", second, "--list-weights"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:-1]}
+    assert " yes " in rows[second] and " no " in rows[first] and "not in --weights" in rows[first]
+    assert cli_main(["grad", str(EXAMPLE), "--loss", "loss", "--weights", "nope", "--list-weights"]) == 2
+    assert "'nope'" in capsys.readouterr().err
+
+
+def test_ctrl_c_before_the_first_step_is_one_line_and_status_130(capsys) -> None:
+    import argparse
+
+    from gradgraph.cli.common import run_command
+
+    def interrupted(_args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    assert run_command(argparse.Namespace(command="build", func=interrupted)) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["gradgraph build: interrupted before anything was written"]

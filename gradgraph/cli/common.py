@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import warnings
@@ -15,6 +16,7 @@ from passes.autodiff import GradientError
 
 # Exit status of a user error (bad file, option or model): one line on stderr, nothing written.
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -61,6 +63,10 @@ def run_command(args: argparse.Namespace) -> int:
         if not quiet:
             print(f"gradgraph {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
         status = EXIT_USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C while loading or building (train's step loop saves its own)
+        if not quiet:
+            print(f"gradgraph {args.command}: interrupted before anything was written", file=sys.stderr)
+        status = EXIT_INTERRUPTED
     report = os.environ.get(STATUS_FILE_ENV)
     if report and not quiet:  # ``train --nproc``: the launcher returns rank 0's status
         Path(report).write_text(str(status))
@@ -82,7 +88,21 @@ def list_weights(args: argparse.Namespace) -> int:
     from gradgraph.weights import format_weights
     from gradgraph.weights import list_weights as listing
 
-    print(format_weights(listing(args.model, args.loss)))
+    rows = listing(args.model, args.loss)
+    names = [r.name for r in rows]
+    chosen = getattr(args, "weights", None)  # --weights / --freeze of the same command line
+    frozen = list(getattr(args, "freeze", None) or [])
+    unknown = [n for n in [*(chosen or []), *frozen] if n not in names]
+    if unknown:
+        raise InputError(f"{unknown}: not float initializers of {args.model!r}; see the list without "
+                         "--weights / --freeze")
+    for k, row in enumerate(rows):
+        if chosen is not None:
+            picked = row.name in chosen
+            rows[k] = dataclasses.replace(row, trained=picked, reason="--weights" if picked else "not in --weights")
+        if row.name in frozen:
+            rows[k] = dataclasses.replace(rows[k], trained=False, reason="--freeze")
+    print(format_weights(rows))
     return 0
 
 

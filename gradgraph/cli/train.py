@@ -24,6 +24,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from gradgraph.cli.common import (
+    EXIT_INTERRUPTED,
     STATUS_FILE_ENV,
     add_list_weights,
     add_pass_arguments,
@@ -64,8 +65,6 @@ Exit status: 0 done; 1 internal error; 2 a user error (one line on stderr, nothi
 3 training diverged (too many non-finite steps in a row); 130 interrupted.
 """
 EXIT_DIVERGED = 3
-EXIT_INTERRUPTED = 130
-
 CHECKPOINT_NAME = "checkpoint.safetensors"
 CURVE_NAME = "loss.png"
 INFERENCE_NAME = "inference.onnx"
