@@ -156,3 +156,26 @@ def test_a_budget_over_unsized_activations_is_warned_about() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TrainingSession(model, TrainingConfig(loss="loss", graph_transformer=sized))
+
+
+def test_the_budget_warning_offers_dim_only_for_dims_an_input_names() -> None:
+    """A dim shape inference made up (``unk__1``: a size computed at run time) cannot be given
+    with --dim (the CLI refuses a name the model lacks): the warning says so instead."""
+    import onnx_ir as ir
+
+    from passes.recompute import RecomputeOptions
+    from passes.recompute.recompute_pass import _warn_unsized
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch", 4]))
+    a = ir.node("Tanh", [x], name="a")
+    a.outputs[0].shape = ir.Shape(["batch", 4])
+    b = ir.node("NonZero", [a.outputs[0]], name="b")
+    b.outputs[0].shape = ir.Shape([2, "unk__1"])
+    c = ir.node("Identity", [b.outputs[0]])
+    ir.node("Identity", [a.outputs[0]])  # a's output is read
+    graph = ir.Graph([x], [c.outputs[0]], nodes=[a, b, c], name="g")
+    with pytest.warns(UserWarning) as caught:
+        _warn_unsized(graph, [a, b], RecomputeOptions(memory_budget=0))
+    said = str(caught[0].message)
+    assert "--dim batch=N" in said and "['unk__1'] are sizes computed at run time" in said
+    assert "--dim unk__1" not in said

@@ -131,25 +131,31 @@ def _shape_of_reshape(node: ir.Node) -> ir.Shape | None:
     return ir.Shape(list(source.shape))
 
 
-def _infer_one(node: ir.Node, opsets: dict[str, int]) -> None:
-    """onnx's inference of ``node`` alone, from its inputs' types and constants."""
+def infer_node(node: ir.Node, opsets: dict[str, int]) -> dict[str, onnx.TypeProto]:
+    """onnx's inference of ``node`` alone, from its inputs' types and constants (``opsets``:
+    domain -> version, the default domain as ""): output name -> type; {} where onnx cannot."""
     domain = "" if node.domain == "ai.onnx" else node.domain
     try:
         schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
     except onnx.defs.SchemaError:
-        return
+        return {}
     inputs = [v for v in node.inputs if v is not None]
     if any(v.type is None for v in inputs):
-        return
+        return {}
     types = {v.name or "": ir.serde.serialize_value(v).type for v in inputs}
-    data = {v.name or "": ir.serde.serialize_tensor(v.const_value) for v in inputs
-            if v.const_value is not None and v.const_value.size <= 64}
+    constants = {v.name or "": ir.convenience.get_const_tensor(v) for v in inputs}  # Constant nodes too
+    data = {name: ir.serde.serialize_tensor(t) for name, t in constants.items() if t is not None and t.size <= 64}
     try:
-        found = onnx.shape_inference.infer_node_outputs(schema, ir.serde.serialize_node(node), types, data,
-                                                        opset_imports=[onnx.helper.make_opsetid(d, v)
-                                                                       for d, v in opsets.items()])
+        return dict(onnx.shape_inference.infer_node_outputs(
+            schema, ir.serde.serialize_node(node), types, data,
+            opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()]))
     except Exception:  # noqa: BLE001 - an op onnx cannot infer alone keeps its unknown shape
-        return
+        return {}
+
+
+def _infer_one(node: ir.Node, opsets: dict[str, int]) -> None:
+    """onnx's inference of ``node`` alone, taken where its outputs have no shape."""
+    found = infer_node(node, opsets)
     for value in node.outputs:
         proto = found.get(value.name or "")
         if proto is not None:

@@ -29,7 +29,7 @@ from onnx_ir.passes import InPlacePass, PassError, PassResult, Sequential
 
 from passes.autodiff.errors import unwrap_pass_errors
 from passes.exports import ClassifyWeightsPass, RecoverParametersPass, TorchConventionsPass
-from passes.forward.contrib_shapes import ContribShapesPass
+from passes.forward.contrib_shapes import ContribShapesPass, infer_node
 from passes.forward.expose_dropout_mask import ExposeDropoutMaskPass
 from passes.forward.expose_norm_stats import ExposeNormStatsPass
 from passes.forward.expose_running_stats import ExposeRunningStatsPass
@@ -60,15 +60,12 @@ class PrepareForGradientPass(InPlacePass):
             ContribShapesPass(),  # through onnxruntime's contrib ops, which onnx does not know
             TypeSequenceOutputsPass(),  # what inference typed as tensors (element dtype unknown before)
         )
-        declared = {v.name: v.shape for v in model.graph.outputs if v.shape is not None}
-        for value in model.graph.outputs:  # inferred afresh, then compared (module docstring)
-            value.shape = None
         try:
             result = steps(model)
         except PassError as exc:
             raise unwrap_pass_errors(exc) from exc
-        _check_declared_shapes(result.model.graph, declared)
-        return PassResult(result.model, result.modified or bool(declared))
+        corrected = _check_declared_shapes(result.model)
+        return PassResult(result.model, result.modified or corrected)
 
 
 def _contradicts(declared: ir.Shape, inferred: ir.Shape) -> bool:
@@ -76,16 +73,24 @@ def _contradicts(declared: ir.Shape, inferred: ir.Shape) -> bool:
         isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(declared, inferred))
 
 
-def _check_declared_shapes(graph: ir.Graph, declared: dict[str | None, ir.Shape]) -> None:
-    """Each output keeps its declared shape, unless inference contradicts it (then warned)."""
-    for value in graph.outputs:
-        shape = declared.get(value.name)
-        if shape is None:
+def _check_declared_shapes(model: ir.Model) -> bool:
+    """A graph output whose producer's inference (that node alone, from its inputs' inferred
+    shapes: onnx's graph inference keeps a declared output shape) contradicts its declared
+    shape takes the inferred one, with a warning. Changed any?"""
+    opsets = {"" if d == "ai.onnx" else d: v for d, v in model.opset_imports.items()}
+    corrected = False
+    for value in model.graph.outputs:
+        node, shape = value.producer(), value.shape
+        if node is None or shape is None or node.domain not in ("", "ai.onnx"):
             continue
-        if value.shape is None or not _contradicts(shape, value.shape):
-            value.shape = shape
+        found = infer_node(node, opsets).get(value.name or "")
+        inferred = ir.serde.deserialize_type_proto_for_shape(found) if found is not None else None
+        if inferred is None or not _contradicts(shape, inferred):
             continue
+        value.shape = inferred
+        corrected = True
         warnings.warn(f"graph output {value.name!r} is declared with shape {[str(d) for d in shape]} but "
                       f"the graph computes shape {[str(d) for d in value.shape]}; the computed shape is "
                       "used (fix the declaration in the model: torch 2.13's exporter declares a "
                       "per-sample loss as a scalar)", UserWarning, stacklevel=2)
+    return corrected

@@ -274,18 +274,30 @@ def plan_for_model(model: ir.Model, options: RecomputeOptions) -> RecomputePlan:
 # ---- the pass ------------------------------------------------------------------------------
 
 
-def _warn_unsized(nodes: list[ir.Node], options: RecomputeOptions) -> None:
+def _warn_unsized(graph: ir.Graph, nodes: list[ir.Node], options: RecomputeOptions) -> None:
     """A budget over activations of symbolic size the planner cannot count (no size in
-    ``dims``): they count as ``unknown_bytes`` (0 by default), so the budget says little."""
+    ``dims``): they count as ``unknown_bytes`` (0 by default), so the budget says little. The
+    dims the model's inputs name can be sized (``dims``, the CLI's ``--dim``); those shape
+    inference made up (``unk__3``: a size computed at run time) cannot."""
     if options.unknown_bytes:
         return
     dims = dict(options.dims)
-    names = sorted({d.value for n in nodes for v in n.outputs if v.uses() and value_bytes(v, dims) is None
-                    for d in (v.shape or ()) if isinstance(d, ir.SymbolicDim) and d.value and d.value not in dims})
-    if names:
-        warnings.warn(f"RecomputePass: memory_budget={options.memory_budget}: activations of symbolic "
-                      f"size (dims {names}) count as 0 bytes; give the sizes (RecomputeOptions.dims, "
-                      f"CLI --dim {names[0]}=N) for a budget that means what it says", stacklevel=3)
+    unsized = [v for n in nodes for v in n.outputs if v.uses() and value_bytes(v, dims) is None]
+    names = sorted({str(d.value) for v in unsized for d in (v.shape or ())
+                    if isinstance(d, ir.SymbolicDim) and d.value and d.value not in dims})
+    if not names:
+        return
+    named = {d.value for v in graph.inputs for d in (v.shape or ()) if isinstance(d, ir.SymbolicDim)}
+    sizable = [n for n in names if n in named]
+    computed = [n for n in names if n not in named]
+    said = [f"activations of symbolic size (dims {names}) count as 0 bytes"]
+    if sizable:
+        said.append(f"give the sizes of {sizable} (RecomputeOptions.dims, CLI --dim {sizable[0]}=N)")
+    if computed:
+        said.append(f"{computed} are sizes computed at run time, which no input names (set "
+                    "RecomputeOptions.unknown_bytes to count them)")
+    warnings.warn(f"RecomputePass: memory_budget={options.memory_budget}: " + "; ".join(said)
+                  + ", for a budget that means what it says", stacklevel=3)
 
 
 class RecomputePass(InPlacePass):
@@ -310,7 +322,7 @@ class RecomputePass(InPlacePass):
         planned = any(n.metadata_props.get(RECOMPUTE_BY_KEY) == "planner" for n in graph)
         if options.memory_budget is not None and not planned:
             problem, nodes = planner_problem(graph, options)
-            _warn_unsized(list(nodes.values()), options)
+            _warn_unsized(graph, list(nodes.values()), options)
             plan = plan_recompute(problem, options.memory_budget, options.max_recompute_chain)
             if not plan.feasible:
                 warnings.warn(f"RecomputePass: memory_budget={options.memory_budget}: {plan.reason}",
