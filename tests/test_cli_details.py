@@ -273,3 +273,22 @@ def test_ctrl_c_before_the_first_step_is_one_line_and_status_130(capsys) -> None
 
     assert run_command(argparse.Namespace(command="build", func=interrupted)) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["gradgraph build: interrupted before anything was written"]
+
+
+def test_adam_eps_reaches_the_optimizer_and_is_checked(tmp_path: Path, capsys) -> None:
+    import argparse
+
+    from gradgraph.cli.build import config_from_args
+    from gradgraph.cli.main import build_parser
+
+    args = build_parser().parse_args(["build", str(EXAMPLE), "--loss", "loss", "--save-stages", str(tmp_path / "s"),
+                                      "--optimizer", "lamb", "--adam-eps", "1e-4"])
+    assert isinstance(args, argparse.Namespace)
+    assert config_from_args(args).optimizer.eps == 1e-4  # type: ignore[attr-defined]
+    data = Path(gradgraph.__file__).parent / "examples" / "mlp_data.npz"
+    common = ["train", str(EXAMPLE), "--loss", "loss", "--data", str(data), "--steps", "1", "--batch-size", "4",
+              "--quiet"]
+    assert cli_main([*common, "--adam-eps", "-1"]) == 2
+    assert "eps must be a finite number > 0" in capsys.readouterr().err
+    assert cli_main([*common, "--optimizer", "sgd", "--adam-eps", "1e-4"]) == 2
+    assert "sgd has none" in capsys.readouterr().err

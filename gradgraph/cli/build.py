@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gradgraph.cli.common import (
+    add_eps_argument,
     add_list_weights,
     add_pass_arguments,
     dims_arg,
+    eps_kwargs,
     list_weights,
     main_for,
     pass_groups,
@@ -53,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--reduce", choices=["sum", "mean"], default=None,
                    help="reduce a non-scalar loss (default: refuse one)")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw", "lamb"])
+    add_eps_argument(p)
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument("--clip", type=float, default=None, help="global gradient-norm clipping")
     add_pass_arguments(p)
@@ -79,7 +82,7 @@ def config_from_args(args: argparse.Namespace) -> object:
     try:
         weights = weights_arg(args.weights)
         return opts.TrainingConfig(
-            args.loss, config_type(args.optimizer)(),
+            args.loss, config_type(args.optimizer)(**eps_kwargs(args)),
             weights_to_train=None if weights is None else tuple(weights),
             weights_not_to_train=tuple(args.freeze), loss_reduction=args.reduce,
             update=UpdateOptions(accumulation_steps=args.accumulate, max_grad_norm=args.clip),

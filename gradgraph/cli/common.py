@@ -106,6 +106,21 @@ def list_weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_eps_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--adam-eps", type=float, default=None, metavar="EPS",
+                        help="epsilon of adam / adamw / lamb (default: the optimizer's, 1e-8 / 1e-8 / "
+                        "1e-6; float16 weights need >= 1e-7)")
+
+
+def eps_kwargs(args: argparse.Namespace) -> dict[str, float]:
+    """``--adam-eps`` as the optimizer config's ``eps`` (refused for sgd, which has none)."""
+    if args.adam_eps is None:
+        return {}
+    if args.optimizer == "sgd":
+        raise InputError("--adam-eps sets the epsilon of adam, adamw or lamb; sgd has none")
+    return {"eps": args.adam_eps}
+
+
 def add_list_weights(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list-weights", action="store_true",
                         help="print every float initializer, whether it is trained and why; then exit")

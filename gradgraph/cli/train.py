@@ -26,9 +26,11 @@ from tqdm import tqdm
 from gradgraph.cli.common import (
     EXIT_INTERRUPTED,
     STATUS_FILE_ENV,
+    add_eps_argument,
     add_list_weights,
     add_pass_arguments,
     dims_arg,
+    eps_kwargs,
     list_weights,
     main_for,
     pass_groups,
@@ -87,6 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: %(default)s)")
     p.add_argument("--weight-decay", type=float, default=None,
                    help="weight decay (default: the optimizer's: 0.01 for adamw, 0 otherwise)")
+    add_eps_argument(p)
     p.add_argument("--no-decay", nargs="*", default=[], metavar="PATTERN",
                    help="weight name patterns trained without weight decay (e.g. '*.bias')")
     p.add_argument("--freeze", nargs="*", default=[], metavar="NAME",
@@ -185,7 +188,11 @@ def _optimizer(args: argparse.Namespace) -> object:
         kwargs["weight_decay"] = args.weight_decay
     if args.optimizer == "sgd":
         kwargs["momentum"] = args.momentum
-    return cls(**kwargs)
+    kwargs.update(eps_kwargs(args))
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # a value the config refuses, named by its field
+        raise InputError(f"optimizer options: {exc}") from exc
 
 
 def _batch(data: dict[str, np.ndarray], index: int, size: int, rank: int = 0,

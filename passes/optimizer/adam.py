@@ -74,7 +74,7 @@ def _warn_if_eps_vanishes(cfg: AdamConfig, dt: ir.DataType) -> None:
     if dt in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) and float(np.asarray(cfg.eps, dt.numpy())) == 0.0:
         warnings.warn(f"{type(cfg).__name__}(eps={cfg.eps}) is 0 in {dt.name.lower()}: an entry whose gradient "
                       "is 0 makes the update 0 / 0 = NaN and the step is skipped as non-finite; use eps >= "
-                      "1e-7 in float16 (1e-4 is common), or float32 weights with mixed precision",
+                      "1e-7 in float16 (1e-4 is common; CLI --adam-eps), or float32 weights with mixed precision",
                       stacklevel=2)
 
 
