@@ -81,6 +81,10 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
         except Exception as exc:  # noqa: BLE001 - protobuf raises several types
             raise GradientError(f"the bytes given are not a serialized ONNX model ({exc})") from exc
         return _from_proto(proto, "the model")
+    if not isinstance(model, (str, os.PathLike)):
+        raise GradientError(f"the model must be an onnx.ModelProto, an onnx_ir.Model, a "
+                            f"torch.onnx.ONNXProgram, serialized bytes or a file path, not "
+                            f"{type(model).__name__}")
     path = Path(model)
     if path.is_dir():
         raise GradientError(f"model file {str(path)!r} is a folder; name the .onnx file in it")

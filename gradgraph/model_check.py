@@ -145,4 +145,19 @@ def _check_acyclic(graph: onnx.GraphProto, source: str) -> None:
 
 def check_model_proto(proto: onnx.ModelProto, source: str) -> None:
     """Raise :class:`GradientError` naming ``source`` and the value/node for a malformed graph."""
+    _check_opsets(proto, source)
     _check_graph(proto.graph, source, top=True)
+
+
+def _check_opsets(proto: onnx.ModelProto, source: str) -> None:
+    """An ONNX opset newer than the installed onnx defines (its gradient model would not load in
+    onnxruntime either), or none at all."""
+    newest = onnx.defs.onnx_opset_version()
+    default = [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")]
+    if not proto.opset_import:
+        raise GradientError(f"{source}: the model imports no opset (opset_import is empty); set the "
+                            "ONNX opset it was written for")
+    if default and max(default) > newest:
+        raise GradientError(f"{source}: the model imports ONNX opset {max(default)}, newer than the {newest} "
+                            f"this onnx ({onnx.__version__}) defines; re-export it with opset {newest} or "
+                            "older, or upgrade onnx")

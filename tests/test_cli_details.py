@@ -292,3 +292,13 @@ def test_adam_eps_reaches_the_optimizer_and_is_checked(tmp_path: Path, capsys) -
     assert "eps must be a finite number > 0" in capsys.readouterr().err
     assert cli_main([*common, "--optimizer", "sgd", "--adam-eps", "1e-4"]) == 2
     assert "sgd has none" in capsys.readouterr().err
+
+
+def test_a_0d_array_in_the_data_file_is_named(tmp_path: Path, capsys) -> None:
+    data = dict(np.load(Path(gradgraph.__file__).parent / "examples" / "mlp_data.npz"))
+    first = next(iter(data))
+    data[first] = np.float32(1.0)
+    np.savez(tmp_path / "d.npz", **data)
+    assert cli_main(["train", str(EXAMPLE), "--loss", "loss", "--data", str(tmp_path / "d.npz"), "--steps", "1",
+                     "--batch-size", "2", "--quiet"]) == 2
+    assert f"['{first}'] are 0-d arrays" in capsys.readouterr().err

@@ -104,3 +104,19 @@ def test_external_data_inside_the_model_folder_loads(tmp_path) -> None:
     onnx.save(_external_model("weights.bin"), str(path))
     grad = build_gradient_graph(str(path), "a", ["w"], loss_reduction="sum")
     assert any(o.name == "w_grad" for o in grad.graph.output)
+
+
+def test_an_opset_newer_than_onnx_or_none_is_refused_by_name() -> None:
+    import gradgraph
+    from gradgraph.io import load_model
+
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])])
+    newer = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 99)])
+    with pytest.raises(gradgraph.GradientError, match="imports ONNX opset 99, newer than"):
+        load_model(newer)
+    none = onnx.helper.make_model(graph)
+    del none.opset_import[:]
+    with pytest.raises(gradgraph.GradientError, match="imports no opset"):
+        load_model(none)

@@ -101,8 +101,20 @@ def test_a_learning_rate_given_as_text_is_refused() -> None:
     for bad in ("0.1", True, [0.1, 0.2]):
         with pytest.raises(InputError, match="learning rate must be a number"):
             session.train_step({"x": x}, lr=bad)  # type: ignore[arg-type]
+    for negative in (-1, np.float32(-0.5)):
+        with pytest.raises(InputError, match="learning rate must be >= 0"):
+            session.train_step({"x": x}, lr=negative)
     assert session.step == 0
     session.train_step({"x": x}, lr=np.float32(0.1))
+
+
+def test_a_training_session_of_the_wrong_arguments_says_what_it_takes() -> None:
+    from gradgraph import GradientError
+
+    with pytest.raises(InputError, match="second argument is a TrainingConfig"):
+        TrainingSession(_model("Mul", [2, 4, 3]), "loss")  # type: ignore[arg-type]
+    with pytest.raises(GradientError, match="the model must be an onnx.ModelProto.*not NoneType"):
+        TrainingSession(None, TrainingConfig(loss="loss"))  # type: ignore[arg-type]
 
 
 def test_an_empty_list_of_weights_is_refused() -> None:

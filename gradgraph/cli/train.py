@@ -266,8 +266,12 @@ def _check_data(data: dict[str, np.ndarray], inputs: Sequence[str], path: str) -
     if missing or extra:
         raise InputError(f"data file {path!r} must hold exactly the model inputs {list(inputs)}: "
                          f"missing {missing}, unexpected {extra}")
-    rows = {n: (data[n].shape[0] if data[n].ndim else None) for n in inputs}
-    if any(r is None for r in rows.values()) or len(set(rows.values())) != 1:
+    scalars = [n for n in inputs if not data[n].ndim]
+    if scalars:
+        raise InputError(f"data file {path!r}: {scalars} are 0-d arrays (one value each); every array "
+                         "needs a row axis 0 that batches are cut from")
+    rows = {n: data[n].shape[0] for n in inputs}
+    if len(set(rows.values())) != 1:
         raise InputError(f"data file {path!r}: every array needs the same number of rows on axis 0; "
                          f"got {rows}")
     if next(iter(rows.values())) == 0:

@@ -104,13 +104,17 @@ def _run_error(exc: BaseException, what: str) -> GradientError:
 def _learning_rate(lr: Any) -> np.ndarray:
     """``lr`` as the float64 scalar the graph takes (its dtype at binding): a real number (a
     string such as "0.1", which numpy would convert, or a bool is a mistake said at once; a NaN
-    is a number: the step is skipped as non-finite, see passes.optimizer)."""
+    is a number: the step is skipped as non-finite, see passes.optimizer); not negative."""
     if isinstance(lr, numbers.Real) and not isinstance(lr, (bool, np.bool_)):
-        return np.asarray(float(lr), np.float64).reshape(())  # Decimal and Fraction too
-    array = np.asarray(lr) if not isinstance(lr, (str, bytes)) else None
-    if array is None or array.size != 1 or array.dtype.kind not in "iuf":
-        raise InputError(f"the learning rate must be a number, not {lr!r}")
-    return array.astype(np.float64).reshape(())
+        value = np.asarray(float(lr), np.float64).reshape(())  # Decimal and Fraction too
+    else:
+        array = np.asarray(lr) if not isinstance(lr, (str, bytes)) else None
+        if array is None or array.size != 1 or array.dtype.kind not in "iuf":
+            raise InputError(f"the learning rate must be a number, not {lr!r}")
+        value = array.astype(np.float64).reshape(())
+    if value < 0:  # a step up the gradient (torch's optimizers refuse it too)
+        raise InputError(f"the learning rate must be >= 0, not {float(value)}")
+    return value
 
 
 def _listed(names: Sequence[str]) -> str:
@@ -146,8 +150,12 @@ class TrainingSession:
         if isinstance(parameters, TrainingParameters):
             config = parameters.to_config()
             initial_optimizer_state = parameters.optimizer_initial_state
-        else:
+        elif isinstance(parameters, TrainingConfig):
             config, initial_optimizer_state = parameters, {}
+        else:
+            raise InputError(f"TrainingSession's second argument is a TrainingConfig (or the reference's "
+                             f"TrainingParameters), not {type(parameters).__name__}: "
+                             f"TrainingSession(model, TrainingConfig(loss='loss', ...))")
         # The session keeps the previous weights and state of a skipped step itself (it does not
         # swap its buffers), so its graphs leave out the selection (see ort_state.GraphRunner).
         config = dataclasses.replace(config, update=dataclasses.replace(config.update, select_in_graph=False))

@@ -87,7 +87,8 @@ def evaluate_node(node: ir.Node, arrays: list[np.ndarray | None], opset: int) ->
     proto.attribute.extend(ir.serde.serialize_node(node).attribute)
     try:
         evaluator = ReferenceEvaluator(proto, opsets={"": opset})
-        (out,) = evaluator.run(None, {n: a for n, a in zip(names, arrays) if n})
+        with np.errstate(all="ignore"):  # log(0) = -inf is the value (T5's position buckets)
+            (out,) = evaluator.run(None, {n: a for n, a in zip(names, arrays) if n})
     except Exception:  # noqa: BLE001 - an op the evaluator cannot run stays unfolded
         return None
     return np.asarray(out)
