@@ -179,23 +179,39 @@ def test_seed_random_ops_gives_distinct_seeds_and_keeps_given_ones():
     from passes.forward.random_seeds import SeedRandomOpsPass
 
     model = ir.from_proto(onnx.parser.parse_model("""<ir_version: 9, opset_import: ["" : 17]>
-g (float[4] x, bool c) => (float a, float b, float d, float e, float u, float w) <float r = {0.5}, bool t = {1}, bool f = {0}> {
+g (float[4] x, bool c) => (float[4] a, float[4] b, float[4] d, float[4] e, float[4] u, float[4] w)
+  <float r = {0.5}, bool t = {1}, bool f = {0}> {
     a = Dropout(x, r, t)
     b = Dropout(x, r, t)
-    d = Dropout<seed = 5.0>(x, r, t)
+    d = Dropout<seed = 5>(x, r, t)
     e = Dropout(x, r, f)
     u = RandomUniformLike(x)
-    w = If(c) <then_branch = g1 () => (float o) { o = RandomUniformLike(x) },
-               else_branch = g2 () => (float o) { o = Identity(x) }>
+    w = If(c) <then_branch = g1 () => (float[4] o) { o = RandomUniformLike(x) },
+               else_branch = g2 () => (float[4] o) { o = Identity(x) }>
 }"""))
     assert SeedRandomOpsPass(11)(model).modified
     nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
-    seeded = {n.outputs[0].name: n.attributes["seed"].as_float() for n in nodes if "seed" in n.attributes}
+    seeded = {n.outputs[0].name: n.attributes["seed"].value for n in nodes if "seed" in n.attributes}
     assert set(seeded) == {"a", "b", "d", "u", "o"}  # not the inference Dropout, not the If
-    assert seeded["d"] == 5.0
+    assert seeded["d"] == 5
+    assert all(type(seeded[k]) is int for k in ("a", "b", "d")) and type(seeded["u"]) is float  # the schemas'
     new = [seeded[k] for k in ("a", "b", "u", "o")]
     assert len(set(new)) == 4 and all(float(int(v)) == v for v in new)
     assert not SeedRandomOpsPass(11)(model).modified  # every random node has a seed now
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+
+
+def test_a_dropout_left_to_onnxruntime_runs_and_the_optimizer_keeps_its_graph(caplog):
+    """float16 (the noise pass leaves it): the seeded Dropout loads in onnxruntime; and
+    onnxscript's optimizer accepts the seeded graphs (it fell back on a float seed)."""
+    import logging
+
+    wrapped = ORTModule(torch.nn.Dropout(0.5).train(), fallback="raise")
+    y = wrapped(torch.ones(64, 64, dtype=torch.float16))
+    assert y.dtype == torch.float16 and set(torch.unique(y).tolist()) == {0.0, 2.0}
+    with caplog.at_level(logging.INFO, logger="gradgraph.torch"):
+        ORTModule(_Dropped(0.2).train(), fallback="raise")(torch.randn(4, 16))
+    assert not [r for r in caplog.records if "optimizer gave an invalid graph" in r.getMessage()]
 
 
 def _draw_in_child(queue) -> None:
@@ -231,7 +247,8 @@ class _Attention(torch.nn.Module):
         self.drop = torch.nn.Dropout(0.1)
 
     def forward(self, x):
-        q, k, v = self.qkv(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_p)
         return self.drop(out).sum()
 
@@ -311,3 +328,26 @@ def test_a_submodule_replaced_on_the_wrapped_module_rebuilds():
     torch.testing.assert_close(wrapped(x), net(x))
     net[1].forward = lambda t: t * 2  # a forward set on the instance
     torch.testing.assert_close(wrapped(x), net(x))
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+def test_both_exporters_write_attention_dropout_in_training(exporter):
+    from gradgraph.torch.export import export_call
+
+    exported = export_call(_Attention(0.5).train(), (torch.randn(2, 5, 8),), {}, training=True, exporter=exporter)
+    dropouts = [n for n in exported.model.graph.node if n.op_type == "Dropout"]
+    assert len(dropouts) == 2  # the attention's and the module's
+    assert all(len(n.input) == 3 and n.input[2] for n in dropouts), [list(n.input) for n in dropouts]
+
+
+def test_two_unnamed_dropouts_of_p_one_make_distinct_names():
+    model = _dropout_model(1.0, mask_out=False)
+    proto = ir.to_proto(model)
+    proto.graph.node[0].name = ""
+    second = onnx.helper.make_node("Dropout", ["y", "r", "t"], ["z"])
+    proto.graph.node.append(second)
+    proto.graph.output[0].name = "z"
+    model = ir.from_proto(proto)
+    assert DropoutNoisePass()(model).modified
+    assert [n.op_type for n in model.graph].count("Mul") == 2
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)

@@ -64,8 +64,8 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"gradgraph {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
         status = EXIT_USER_ERROR
     except KeyboardInterrupt:  # Ctrl-C while loading or building (train's step loop saves its own)
-        if not quiet:
-            print(f"gradgraph {args.command}: interrupted before anything was written", file=sys.stderr)
+        if not quiet:  # stage folders are all or nothing; a checkpoint is written whole or not
+            print(f"gradgraph {args.command}: interrupted", file=sys.stderr)
         status = EXIT_INTERRUPTED
     report = os.environ.get(STATUS_FILE_ENV)
     if report and not quiet:  # ``train --nproc``: the launcher returns rank 0's status
@@ -90,7 +90,7 @@ def list_weights(args: argparse.Namespace) -> int:
 
     rows = listing(args.model, args.loss)
     names = [r.name for r in rows]
-    chosen = getattr(args, "weights", None)  # --weights / --freeze of the same command line
+    chosen = weights_arg(getattr(args, "weights", None))  # --weights / --freeze of the same command line
     frozen = list(getattr(args, "freeze", None) or [])
     unknown = [n for n in [*(chosen or []), *frozen] if n not in names]
     if unknown:

@@ -622,25 +622,39 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
         model = onnx.load(path)
         if which == "dynamo":  # translations' unused outputs (embedding_bag's) go
             graph = common_passes.RemoveUnusedNodesPass()(ir.from_proto(model)).model
-            _attention_dropout_in_training(graph)
+            _attention_dropout_in_training(graph, legacy=False)
+            return ir.to_proto(graph)
+        if training:
+            graph = ir.from_proto(model)
+            _attention_dropout_in_training(graph, legacy=True)
             return ir.to_proto(graph)
         return model
 
 
-def _attention_dropout_in_training(model: ir.Model) -> None:
-    """Trap 10: torchlib writes scaled_dot_product_attention's ``dropout_p`` as
-    ``Dropout(weights, p)`` without ``training_mode``, which ONNX defines as inference (the
-    identity: the optimizer removes it, and attention dropout silently vanished from HF
-    models' default "sdpa" attention and nn.TransformerEncoderLayer). torch applies it whenever
-    ``dropout_p > 0`` (whatever the module's mode; modules pass 0 in eval): those Dropouts get
-    ``training_mode`` true."""
+def _from_attention(node: ir.Node) -> bool:
+    """A dynamo export's node written for scaled_dot_product_attention: the aten op its class
+    hierarchy ends with (the user's own module names are not read)."""
+    hierarchy = node.metadata_props.get("pkg.torch.onnx.class_hierarchy", "")
+    last = hierarchy.rstrip("]").rsplit(",", 1)[-1].strip(" '\"[")
+    return last.startswith("aten.") and "scaled_dot_product" in last
+
+
+def _attention_dropout_in_training(model: ir.Model, legacy: bool) -> None:
+    """Trap 10: torchlib (and the TorchScript exporter's opset-14 symbolic) writes
+    scaled_dot_product_attention's ``dropout_p`` as ``Dropout(weights, p)`` without
+    ``training_mode``, which ONNX defines as inference (the identity: the optimizer removes it,
+    and attention dropout silently vanished from HF models' default "sdpa" attention and
+    nn.TransformerEncoderLayer). torch applies it whenever ``dropout_p > 0`` (whatever the
+    module's mode; modules pass 0 in eval): those Dropouts get ``training_mode`` true. In a
+    dynamo export they are the nodes written for the aten op; in a training-mode TorchScript
+    export, whose ``nn.Dropout`` nodes all carry ``training_mode``, every Dropout without one."""
     on = None
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
             continue
         if len(node.inputs) > 2 and node.inputs[2] is not None:
             continue
-        if "scaled_dot_product" not in node.metadata_props.get("pkg.torch.onnx.class_hierarchy", ""):
+        if not (legacy or _from_attention(node)):
             continue
         if on is None:
             on = ir.Value(name="gradgraph_attention_dropout_training", const_value=ir.tensor(np.array(True)))

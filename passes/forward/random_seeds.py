@@ -31,10 +31,10 @@ class SeedRandomOpsPass(InPlacePass):
                     if "seed" not in n.attributes and is_random(n) and not any(node_subgraphs(n))]
         if not unseeded:
             return PassResult(model, False)
-        # distinct float32 values (onnxruntime reads the attribute as a float and truncates it
-        # to an integer seed): integers below 2**24, which float32 holds exactly
+        # distinct integers below 2**24: Dropout's seed is an int attribute, the random ops' a
+        # float (onnxruntime truncates it to an integer), which holds these exactly
         seeds = np.random.default_rng(self.seed).choice(1 << 24, size=len(unseeded), replace=False)
         for node, seed in zip(unseeded, seeds):
-            node.attributes["seed"] = ir.AttrFloat32("seed", float(seed))
+            node.attributes["seed"] = (ir.AttrInt64("seed", int(seed)) if node.op_type == "Dropout"
+                                       else ir.AttrFloat32("seed", float(seed)))
         return PassResult(model, True)
-

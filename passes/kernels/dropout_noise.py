@@ -36,7 +36,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.kernels._graph import DEFAULT_DOMAINS, const_array, take_over
+from passes.kernels._graph import DEFAULT_DOMAINS, const_array, default_opset, take_over
 
 NOISE_KEY = "gradgraph.dropout_noise"
 _TYPES = {ir.DataType.FLOAT: np.float32, ir.DataType.DOUBLE: np.float64}
@@ -71,6 +71,16 @@ def _ratio(node: ir.Node) -> float | None:
     return ratio if 0.0 < ratio <= 1.0 else None
 
 
+def _unique(name: str, taken: set) -> str:
+    """``name``, or ``name_<k>`` where it is taken; the result is taken from then on."""
+    candidate, k = name, 0
+    while candidate in taken:
+        k += 1
+        candidate = f"{name}_{k}"
+    taken.add(candidate)
+    return candidate
+
+
 def _mask_unread(node: ir.Node) -> bool:
     mask = node.outputs[1] if len(node.outputs) > 1 else None
     return mask is None or not (mask.uses() or mask.is_graph_output())
@@ -88,31 +98,30 @@ class DropoutNoisePass(InPlacePass):
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
-        if opset < 12:  # training_mode became an input at opset 12
+        if default_opset(model) < 12:  # training_mode became an input at opset 12
             return PassResult(model, False)
         dropouts = [(n, r) for n in graph if n.op_type == "Dropout" and n.domain in DEFAULT_DOMAINS
                     and (r := _ratio(n)) is not None]
         dropped = [n for n, r in dropouts if r == 1.0 and _mask_unread(n)]
-        for node in dropped:
-            self._drop_all(graph, node)
         found = [(n, r, s) for n, r in dropouts if r < 1.0 and (s := _static_shape(n.inputs[0])) is not None]
+        taken = ({v.name for v in graph.inputs} | set(graph.initializers)
+                 | {v.name for n in graph for v in n.outputs}) if dropped or found else set()
+        for node in dropped:
+            self._drop_all(graph, node, taken)
         if found:
-            taken = ({v.name for v in graph.inputs} | set(graph.initializers)
-                     | {v.name for n in graph for v in n.outputs})
             for node, ratio, shape in found:
                 self._rewrite(graph, node, ratio, shape, taken)
         return PassResult(model, bool(found or dropped))
 
     @staticmethod
-    def _drop_all(graph: ir.Graph, node: ir.Node) -> None:
+    def _drop_all(graph: ir.Graph, node: ir.Node, taken: set) -> None:
         """Ratio 1 (onnxruntime's kernel refuses it): ``Y = X * 0``, as torch computes it."""
         x = node.inputs[0]
         assert x is not None and x.dtype is not None
-        zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, x.dtype.numpy()))},
-                       name=f"{node.name}/dropped_zero")
-        apply = ir.node("Mul", [x, zero.outputs[0]], name=f"{node.name}/dropped")
-        zero.outputs[0].name = f"{node.name}/dropped_zero"
+        name = _unique(f"{node.name or node.outputs[0].name or 'Dropout'}/dropped_zero", taken)
+        zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, x.dtype.numpy()))}, name=name)
+        apply = ir.node("Mul", [x, zero.outputs[0]], name=f"{name}_apply")
+        zero.outputs[0].name = name
         apply.outputs[0].type, apply.outputs[0].shape = x.type, x.shape
         for new in (zero, apply):
             new.metadata_props.update(node.metadata_props)
@@ -124,11 +133,7 @@ class DropoutNoisePass(InPlacePass):
     def _rewrite(graph: ir.Graph, node: ir.Node, ratio: float, shape: tuple[int, ...], taken: set) -> None:
         x, out = node.inputs[0], node.outputs[0]
         assert x is not None and x.dtype is not None
-        name, k = f"{out.name or node.name or 'Dropout'}.noise", 0
-        while name in taken:
-            k += 1
-            name = f"{out.name or node.name or 'Dropout'}.noise_{k}"
-        taken.add(name)
+        name = _unique(f"{out.name or node.name or 'Dropout'}.noise", taken)
         noise = ir.Value(name=name, type=ir.TensorType(x.dtype), shape=ir.Shape(shape))
         noise.metadata_props[NOISE_KEY] = repr(ratio)
         graph.inputs.append(noise)
