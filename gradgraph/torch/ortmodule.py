@@ -215,6 +215,11 @@ def _session(model: ir.Model, threads: int | None, severity: int = 3,
                              disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
 
 
+def _torch_seed() -> int:
+    """A seed from torch's default generator (``torch.manual_seed`` repeats it)."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
 def _draws_random_numbers(model: ir.Model) -> bool:
     """Does the graph draw random numbers (a training Dropout, a random op)?"""
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
@@ -698,7 +703,7 @@ class _Engine:
         DistinctOutputsPass()(model)
         # each random node its own seed, from torch's generator: the optimizer's common-
         # subexpression elimination merged two Dropouts of one tensor (SimCSE's two views)
-        SeedRandomOpsPass(int(torch.randint(0, 2**62, (1,)).item()))(model)
+        SeedRandomOpsPass(_torch_seed())(model)
         if owner._optimize:
             model = _optimized(model)
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
@@ -813,8 +818,7 @@ class _Engine:
         if self.device.type != "cpu":
             return [torch.empty(s.shape, dtype=_TORCH_FLOATS[s.dtype], device=self.device)
                     .bernoulli_(1.0 - s.ratio).div_(1.0 - s.ratio) for s in self.noise.inputs.values()]
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        return [torch.from_numpy(a) for a in self.noise.draw(seed)]
+        return [torch.from_numpy(a) for a in self.noise.draw(_torch_seed())]
 
 
 class _Function(torch.autograd.Function):
