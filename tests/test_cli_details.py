@@ -262,6 +262,8 @@ def test_list_weights_shows_what_weights_and_freeze_leave_trained(capsys) -> Non
     assert cli_main(["grad", str(EXAMPLE), "--loss", "loss", "--weights", f"{first},{second}", "--list-weights"]) == 0
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:-1]}
     assert " yes " in rows[first] and " yes " in rows[second]  # the commas of --weights, as grad reads them
+    assert cli_main(["grad", str(EXAMPLE), "--loss", "loss", "--weights", f"{first},x", "--list-weights"]) == 0
+    assert "graph inputs differentiated too (--weights): ['x']" in capsys.readouterr().out  # as grad takes it
     assert cli_main(["grad", str(EXAMPLE), "--loss", "loss", "--weights", "nope", "--list-weights"]) == 2
     assert "'nope'" in capsys.readouterr().err
 

@@ -331,12 +331,15 @@ def test_a_submodule_replaced_on_the_wrapped_module_rebuilds():
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
-def test_both_exporters_write_attention_dropout_in_training(exporter):
+@pytest.mark.parametrize("training", [True, False])
+def test_both_exporters_write_attention_dropout_in_training(exporter, training):
+    """torch applies an explicit dropout_p > 0 in either mode (the module's Dropout only in train)."""
     from gradgraph.torch.export import export_call
 
-    exported = export_call(_Attention(0.5).train(), (torch.randn(2, 5, 8),), {}, training=True, exporter=exporter)
+    module = _Attention(0.5).train(training)
+    exported = export_call(module, (torch.randn(2, 5, 8),), {}, training=training, exporter=exporter)
     dropouts = [n for n in exported.model.graph.node if n.op_type == "Dropout"]
-    assert len(dropouts) == 2  # the attention's and the module's
+    assert len(dropouts) == (2 if training else 1)  # the attention's, and the module's in train mode
     assert all(len(n.input) == 3 and n.input[2] for n in dropouts), [list(n.input) for n in dropouts]
 
 

@@ -92,10 +92,11 @@ def list_weights(args: argparse.Namespace) -> int:
     names = [r.name for r in rows]
     chosen = weights_arg(getattr(args, "weights", None))  # --weights / --freeze of the same command line
     frozen = list(getattr(args, "freeze", None) or [])
-    unknown = [n for n in [*(chosen or []), *frozen] if n not in names]
+    inputs = _graph_input_names(args.model)
+    unknown = [n for n in [*(chosen or []), *frozen] if n not in names and n not in inputs]
     if unknown:
-        raise InputError(f"{unknown}: not float initializers of {args.model!r}; see the list without "
-                         "--weights / --freeze")
+        raise InputError(f"{unknown}: neither float initializers nor graph inputs of {args.model!r}; "
+                         "see the list without --weights / --freeze")
     for k, row in enumerate(rows):
         if chosen is not None:
             picked = row.name in chosen
@@ -103,7 +104,20 @@ def list_weights(args: argparse.Namespace) -> int:
         if row.name in frozen:
             rows[k] = dataclasses.replace(rows[k], trained=False, reason="--freeze")
     print(format_weights(rows))
+    differentiated = [n for n in chosen or [] if n in inputs]
+    if differentiated:
+        print(f"graph inputs differentiated too (--weights): {differentiated}")
     return 0
+
+
+def _graph_input_names(path: Any) -> set[str]:
+    """The graph input names of the model file (its weights not read)."""
+    import onnx
+
+    try:
+        return {i.name for i in onnx.load(str(path), load_external_data=False).graph.input}
+    except Exception:  # noqa: BLE001 - listing() already said what is wrong with the file
+        return set()
 
 
 def add_eps_argument(parser: argparse.ArgumentParser) -> None:

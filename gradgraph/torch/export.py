@@ -624,11 +624,9 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
             graph = common_passes.RemoveUnusedNodesPass()(ir.from_proto(model)).model
             _attention_dropout_in_training(graph, legacy=False)
             return ir.to_proto(graph)
-        if training:
-            graph = ir.from_proto(model)
-            _attention_dropout_in_training(graph, legacy=True)
-            return ir.to_proto(graph)
-        return model
+        graph = ir.from_proto(model)
+        _attention_dropout_in_training(graph, legacy=True)
+        return ir.to_proto(graph)
 
 
 def _from_attention(node: ir.Node) -> bool:
@@ -646,8 +644,9 @@ def _attention_dropout_in_training(model: ir.Model, legacy: bool) -> None:
     and attention dropout silently vanished from HF models' default "sdpa" attention and
     nn.TransformerEncoderLayer). torch applies it whenever ``dropout_p > 0`` (whatever the
     module's mode; modules pass 0 in eval): those Dropouts get ``training_mode`` true. In a
-    dynamo export they are the nodes written for the aten op; in a training-mode TorchScript
-    export, whose ``nn.Dropout`` nodes all carry ``training_mode``, every Dropout without one."""
+    dynamo export they are the nodes written for the aten op; in a TorchScript export every
+    Dropout without one (its ``dropout`` symbolic writes ``training_mode`` when training and no
+    node otherwise)."""
     on = None
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):

@@ -22,7 +22,8 @@ Rewritten: a default-domain Dropout (opset 12 or later) of the main graph whose
 ``training_mode`` is the constant true, whose ratio is absent (0.5) or a constant in (0, 1),
 whose input is float32 or float64 of a known static shape; a float32 ratio is read as its
 shortest decimal (the exporter's rounding of the user's p: 0.999, not 0.99900001, whose scale
-differs by 1.3e-5). A ratio of exactly 1, which onnxruntime's kernel refuses, with its mask
+differs by 1.3e-5; a p that is no short decimal, 1/3, keeps float32's precision: 1e-8 relative
+in a float64 model). A ratio of exactly 1, which onnxruntime's kernel refuses, with its mask
 unread, becomes ``Y = X * 0`` (torch's result) for any input. Anything else is left alone
 (inference Dropout is the identity; a ratio of 0 or one computed at run time stays
 onnxruntime's). The ``seed`` attribute goes with the node: the caller's draws decide.
