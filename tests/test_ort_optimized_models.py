@@ -158,3 +158,29 @@ def test_bert_style_skip_layer_norm_between_matmuls() -> None:
     ((n @ v + s) ** 2).sum().backward()
     for name, ours, ref in zip(names, got, (x.grad, w.grad, g.grad, b.grad, bias.grad, v.grad), strict=True):
         np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-4, atol=1e-3, err_msg=name)
+
+
+def test_onnxruntime_layer_norm_below_opset_17() -> None:
+    """onnxruntime's optimizer writes its own default-domain LayerNormalization into opset-14
+    models (legacy exports it optimizes); onnx knows the op only from opset 17: shaped and
+    differentiated as ONNX's (gradients against float64 torch)."""
+    import torch
+
+    mk = helper.make_node
+    graph = helper.make_graph(
+        [mk("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1, epsilon=1e-5),
+         mk("MatMul", ["n", "W"], ["y"]), mk("ReduceSumSquare", ["y"], ["loss"], keepdims=0)],
+        "ln14", [helper.make_tensor_value_info(k, TensorProto.FLOAT, shape) for k, shape in
+                 (("x", [2, 3, 8]), ("g", [8]), ("b", [8]), ("W", [8, 5]))],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+    rng = np.random.default_rng(4)
+    names = ["x", "g", "b", "W"]
+    feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in zip(names, ((2, 3, 8), (8,), (8,), (8, 5)))}
+    grad_model = build_gradient_graph(model, "loss", names)
+    session = ort.InferenceSession(grad_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run([f"{k}_grad" for k in names], feeds)
+    x, g, b, w = (torch.tensor(feeds[k], dtype=torch.float64, requires_grad=True) for k in names)
+    ((torch.nn.functional.layer_norm(x, (8,), g, b, eps=1e-5) @ w) ** 2).sum().backward()
+    for name, ours, ref in zip(names, got, (x.grad, g.grad, b.grad, w.grad), strict=True):
+        np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)

@@ -5,7 +5,8 @@ onnxruntime's optimizer saved (``SessionOptions.optimized_model_filepath``, its 
 optimizer) the outputs of FusedMatMul, Gelu, FastGelu, BiasGelu, QuickGelu,
 SkipLayerNormalization and SkipSimplifiedLayerNormalization, and every value
 computed from them, have no shape (as do those of ``SimplifiedLayerNormalization``, the RMS
-norm onnxruntime defines in the default domain); rules that need a rank (MatMul's, Softmax's, ...) then
+norm onnxruntime defines in the default domain, and of its own LayerNormalization below ONNX's
+opset 17); rules that need a rank (MatMul's, Softmax's, ...) then
 fail. This pass walks the graph in order once: a contrib op's output gets the shape its
 formula gives from its inputs' (FusedMatMul: a MatMul of the operands with the last two axes
 swapped where transA / transB say; the GELUs: their input's), and a later default-domain node
@@ -113,6 +114,26 @@ def _shape_skip_norm(node: ir.Node) -> bool:
     return modified
 
 
+def _shape_layer_norm(node: ir.Node) -> bool:
+    """onnxruntime's default-domain LayerNormalization below opset 17 (which onnx's inference
+    does not know there): Y as X, Mean and InvStdDev as X with the normalized axes 1 (float32)."""
+    x = node.inputs[0]
+    if x is None or x.shape is None:
+        return False
+    dims = list(x.shape)
+    axis = node.attributes.get_int("axis", -1)
+    axis = axis + len(dims) if axis < 0 else axis
+    modified = False
+    for index, value in enumerate(node.outputs):
+        if value.shape is not None:
+            continue
+        value.shape = ir.Shape(dims if index == 0 else [*dims[:axis], *[1] * (len(dims) - axis)])
+        if value.type is None:
+            value.type = x.type if index == 0 else ir.TensorType(ir.DataType.FLOAT)
+        modified = True
+    return modified
+
+
 def _shape_of_reshape(node: ir.Node) -> ir.Shape | None:
     """``Reshape(x, Shape(v))`` is shaped as ``v``: onnx's data propagation does not see through
     a Shape of opset 13 (torch's legacy GroupNorm export at opset 13 reshapes back that way)."""
@@ -176,6 +197,9 @@ class ContribShapesPass(InPlacePass):
                 continue
             if node.domain == MS_DOMAIN and node.op_type in _SKIP_NORMS:
                 modified |= _shape_skip_norm(node)
+            elif node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx") \
+                    and opsets.get("", 17) < 17:  # onnxruntime's own, below ONNX's opset 17
+                modified |= _shape_layer_norm(node)
             elif _is_contrib(node):
                 shape = _contrib_shape(node)
                 if shape is not None and node.outputs[0].shape is None:

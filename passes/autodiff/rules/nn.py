@@ -90,7 +90,9 @@ def _count(b, x, reduced):
     return b.CastLike(b.Div(b.Size(x), b.Size(reduced)), x)
 
 
-@grad_rule("LayerNormalization", since=17)
+# since opset 1: below ONNX's opset 17 the default-domain LayerNormalization is onnxruntime's
+# own (the same op; its optimizers write it into models of older opsets)
+@grad_rule("LayerNormalization", since=1)
 def _layer_norm(b, n, g):
     """Y, and the Mean and InvStdDev outputs (keepdims-shaped) when they carry gradient."""
     x, scale = n.inputs[0], n.inputs[1]
