@@ -354,3 +354,23 @@ def test_two_unnamed_dropouts_of_p_one_make_distinct_names():
     assert DropoutNoisePass()(model).modified
     assert [n.op_type for n in model.graph].count("Mul") == 2
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
+
+
+def test_a_users_own_export_keeps_its_attention_dropout(tmp_path):
+    """torch.onnx.export(optimize=False) of a module calling SDPA with dropout_p: the inference
+    Dropout torchlib writes is trained (convention 5 of passes.exports.conventions), so the
+    CLI's and the API's training graphs apply the attention's dropout."""
+    import io
+    from contextlib import redirect_stdout
+
+    from passes.forward.prepare import PrepareForGradientPass
+
+    path = tmp_path / "attention.onnx"
+    with redirect_stdout(io.StringIO()):
+        torch.onnx.export(_Attention(0.5).train(), (torch.randn(2, 5, 8),), str(path), dynamo=True, optimize=False)
+    model = ir.load(str(path))
+    untrained = [n for n in model.graph if n.op_type == "Dropout" and (len(n.inputs) < 3 or n.inputs[2] is None)]
+    assert len(untrained) == 1  # the attention's, as the exporter writes it
+    PrepareForGradientPass()(model)
+    dropouts = [n for n in model.graph if n.op_type == "Dropout"]
+    assert len(dropouts) == 2 and all(len(n.inputs) == 3 and n.inputs[2] is not None for n in dropouts)

@@ -65,6 +65,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from passes.exports.conventions import is_attention_dropout, train_dropouts
+
 PREFIX = "module."
 
 
@@ -629,37 +631,14 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
         return ir.to_proto(graph)
 
 
-def _from_attention(node: ir.Node) -> bool:
-    """A dynamo export's node written for scaled_dot_product_attention: the aten op its class
-    hierarchy ends with (the user's own module names are not read)."""
-    hierarchy = node.metadata_props.get("pkg.torch.onnx.class_hierarchy", "")
-    last = hierarchy.rstrip("]").rsplit(",", 1)[-1].strip(" '\"[")
-    return last.startswith("aten.") and "scaled_dot_product" in last
-
-
 def _attention_dropout_in_training(model: ir.Model, legacy: bool) -> None:
     """Trap 10: torchlib (and the TorchScript exporter's opset-14 symbolic) writes
-    scaled_dot_product_attention's ``dropout_p`` as ``Dropout(weights, p)`` without
-    ``training_mode``, which ONNX defines as inference (the identity: the optimizer removes it,
-    and attention dropout silently vanished from HF models' default "sdpa" attention and
-    nn.TransformerEncoderLayer). torch applies it whenever ``dropout_p > 0`` (whatever the
-    module's mode; modules pass 0 in eval): those Dropouts get ``training_mode`` true. In a
-    dynamo export they are the nodes written for the aten op; in a TorchScript export every
-    Dropout without one (its ``dropout`` symbolic writes ``training_mode`` when training and no
-    node otherwise)."""
-    on = None
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
-            continue
-        if len(node.inputs) > 2 and node.inputs[2] is not None:
-            continue
-        if not (legacy or _from_attention(node)):
-            continue
-        if on is None:
-            on = ir.Value(name="gradgraph_attention_dropout_training", const_value=ir.tensor(np.array(True)))
-            on.type, on.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([])
-            model.graph.register_initializer(on)
-        if len(node.inputs) < 2:
-            node.resize_inputs(2)  # the default ratio, 0.5, stays: an absent input
-        node.resize_inputs(3)
-        node.replace_input_with(2, on)
+    scaled_dot_product_attention's ``dropout_p`` as an inference Dropout (the identity: the
+    optimizer removes it, and attention dropout silently vanished from HF models' default
+    "sdpa" attention and nn.TransformerEncoderLayer), while torch applies it whenever
+    ``dropout_p > 0``: those Dropouts get ``training_mode`` true (convention 5 of
+    :mod:`passes.exports.conventions`, here before ORTModule's optimizer). In a dynamo export
+    they are the nodes written for the aten op; in a TorchScript export every Dropout without
+    one (its ``dropout`` symbolic writes ``training_mode`` when training and no node otherwise)."""
+    nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
+    train_dropouts(model, nodes if legacy else [n for n in nodes if is_attention_dropout(n)])

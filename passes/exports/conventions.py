@@ -13,11 +13,17 @@ The ONNX op alone cannot say these; a dynamo export's FX provenance (``fx_call``
 4. every training-mode ``BatchNormalization`` of a torch export (such a call, or any in a
    model whose producer is ``pytorch``, the legacy exporter's) gets ``RUNNING_VAR_KEY =
    "unbiased"``: torch updates the running variance with the unbiased batch variance, ONNX
-   with the biased one (``ExposeRunningStatsPass`` corrects the update it exposes).
+   with the biased one (``ExposeRunningStatsPass`` corrects the update it exposes);
+5. a ``Dropout`` written for ``aten.scaled_dot_product_attention`` without ``training_mode``
+   gets it true: torchlib writes ``dropout_p`` as ``Dropout(weights, p)``, which ONNX defines as
+   inference (the identity), while torch applies it whenever ``dropout_p > 0`` (modules pass 0
+   in eval). An export with the exporter's default ``optimize=True`` has lost that Dropout
+   already (the optimizer removes an inference Dropout); with ``optimize=False`` it is kept.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
@@ -71,7 +77,41 @@ class TorchConventionsPass(InPlacePass):
                 if node.metadata_props.get(CLIP_BOUNDS_KEY) != "closed":
                     node.metadata_props[CLIP_BOUNDS_KEY] = "closed"
                     modified = True
-        return PassResult(model, modified)
+        attention = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if is_attention_dropout(n)]
+        return PassResult(model, train_dropouts(model, attention) or modified)
+
+
+def _untrained_dropout(node: ir.Node) -> bool:
+    """A default-domain Dropout without ``training_mode`` (inference, whatever its ratio)."""
+    return (node.op_type == "Dropout" and node.domain in ("", "ai.onnx")
+            and (len(node.inputs) < 3 or node.inputs[2] is None))
+
+
+def is_attention_dropout(node: ir.Node) -> bool:
+    """Convention 5's Dropout: written for scaled_dot_product_attention, no ``training_mode``."""
+    call = fx_call(node) if _untrained_dropout(node) else None
+    return call is not None and "scaled_dot_product" in call.target
+
+
+def train_dropouts(model: ir.Model, nodes: list[ir.Node]) -> bool:
+    """Each Dropout of ``nodes`` without ``training_mode`` gets it true (one initializer they
+    share; an absent ratio stays absent: 0.5). Changed any?"""
+    nodes = [n for n in nodes if _untrained_dropout(n)]
+    if not nodes:
+        return False
+    on = ir.Value(name="gradgraph_dropout_training", const_value=ir.tensor(np.array(True)))
+    on.type, on.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([])
+    k = 0
+    while on.name in model.graph.initializers or any(on.name == v.name for v in model.graph.inputs):
+        k += 1
+        on.name = f"gradgraph_dropout_training_{k}"
+    model.graph.register_initializer(on)
+    for node in nodes:
+        if len(node.inputs) < 2:
+            node.resize_inputs(2)
+        node.resize_inputs(3)
+        node.replace_input_with(2, on)
+    return True
 
 
 def _mark_unbiased(node: ir.Node) -> bool:
