@@ -92,8 +92,9 @@ def list_weights(args: argparse.Namespace) -> int:
     names = [r.name for r in rows]
     chosen = weights_arg(getattr(args, "weights", None))  # --weights / --freeze of the same command line
     frozen = list(getattr(args, "freeze", None) or [])
-    inputs = _graph_input_names(args.model)
-    unknown = [n for n in [*(chosen or []), *frozen] if n not in names and n not in inputs]
+    others = [n for n in [*(chosen or []), *frozen] if n not in names]
+    inputs = _graph_input_names(args.model) if others else set()  # the file read again only then
+    unknown = [n for n in others if n not in inputs]
     if unknown:
         raise InputError(f"{unknown}: neither float initializers nor graph inputs of {args.model!r}; "
                          "see the list without --weights / --freeze")

@@ -30,6 +30,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 from passes.autodiff.rules.elementwise import CLIP_BOUNDS_KEY
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
 from passes.exports.signature import fx_call
+from passes.names import free_name
 
 # On a training-mode BatchNormalization: "unbiased" = its running variance follows torch.
 RUNNING_VAR_KEY = "gradgraph.running_var"
@@ -99,12 +100,9 @@ def train_dropouts(model: ir.Model, nodes: list[ir.Node]) -> bool:
     nodes = [n for n in nodes if _untrained_dropout(n)]
     if not nodes:
         return False
-    on = ir.Value(name="gradgraph_dropout_training", const_value=ir.tensor(np.array(True)))
+    taken = set(model.graph.initializers) | {v.name or "" for v in model.graph.inputs}
+    on = ir.Value(name=free_name("gradgraph_dropout_training", taken), const_value=ir.tensor(np.array(True)))
     on.type, on.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([])
-    k = 0
-    while on.name in model.graph.initializers or any(on.name == v.name for v in model.graph.inputs):
-        k += 1
-        on.name = f"gradgraph_dropout_training_{k}"
     model.graph.register_initializer(on)
     for node in nodes:
         if len(node.inputs) < 2:

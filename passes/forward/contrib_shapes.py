@@ -32,8 +32,7 @@ MS_DOMAIN = "com.microsoft"
 # 23, written by its optimizers and LLaMA-style exports): they load in stock onnxruntime.
 ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
 _SAME_SHAPE = frozenset({"Gelu", "FastGelu", "BiasGelu", "QuickGelu", "SimplifiedLayerNormalization"})
-# outputs Y, mean, inverse std (or RMS), input_skip_bias_sum: Y and the sum shaped as the input,
-# the statistics as the input with a last axis of 1 (float32: onnxruntime's kernels keep them so)
+# outputs Y, mean, inverse std (or RMS), input_skip_bias_sum (shaped by _shape_norm, axis -1)
 _SKIP_NORMS = frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"})
 
 
@@ -96,42 +95,31 @@ def _contrib_shape(node: ir.Node) -> ir.Shape | None:
     return None
 
 
-def _shape_skip_norm(node: ir.Node) -> bool:
-    """SkipLayerNormalization's outputs (``_SKIP_NORMS``) shaped from its input's; modified?"""
+def _shape_norm(node: ir.Node, axis: int) -> bool:
+    """A normalization's outputs shaped from its input's (modified?): the statistics (outputs
+    1 and 2: mean, inverse std or RMS) as the input with the axes from ``axis`` on 1, float32
+    as onnxruntime's kernels keep them; the others (Y, SkipLayerNormalization's sum) as the
+    input. onnxruntime's LayerNormalization below opset 17 and ``_SKIP_NORMS`` (axis -1)."""
     x = node.inputs[0]
     if x is None or x.shape is None:
         return False
     dims = list(x.shape)
+    axis = axis + len(dims) if axis < 0 else axis
     modified = False
     for index, value in enumerate(node.outputs):
         if value.shape is not None:
             continue
         statistic = index in (1, 2)
-        value.shape = ir.Shape([*dims[:-1], 1] if statistic and dims else dims)
+        value.shape = ir.Shape([*dims[:axis], *[1] * (len(dims) - axis)] if statistic else dims)
         if value.type is None:
             value.type = ir.TensorType(ir.DataType.FLOAT) if statistic else x.type
         modified = True
     return modified
 
 
-def _shape_layer_norm(node: ir.Node) -> bool:
-    """onnxruntime's default-domain LayerNormalization below opset 17 (which onnx's inference
-    does not know there): Y as X, Mean and InvStdDev as X with the normalized axes 1 (float32)."""
-    x = node.inputs[0]
-    if x is None or x.shape is None:
-        return False
-    dims = list(x.shape)
-    axis = node.attributes.get_int("axis", -1)
-    axis = axis + len(dims) if axis < 0 else axis
-    modified = False
-    for index, value in enumerate(node.outputs):
-        if value.shape is not None:
-            continue
-        value.shape = ir.Shape(dims if index == 0 else [*dims[:axis], *[1] * (len(dims) - axis)])
-        if value.type is None:
-            value.type = x.type if index == 0 else ir.TensorType(ir.DataType.FLOAT)
-        modified = True
-    return modified
+def opsets_of(model: ir.Model) -> dict[str, int]:
+    """The model's opset imports, the default domain as ""."""
+    return {"" if d == "ai.onnx" else d: v for d, v in model.opset_imports.items()}
 
 
 def _shape_of_reshape(node: ir.Node) -> ir.Shape | None:
@@ -190,16 +178,16 @@ class ContribShapesPass(InPlacePass):
         graph = model.graph
         if not any(v.shape is None for n in graph for v in n.outputs):
             return PassResult(model, False)
-        opsets = {"" if d == "ai.onnx" else d: v for d, v in model.opset_imports.items()}
+        opsets = opsets_of(model)
         modified = False
         for node in graph:
             if all(v.shape is not None for v in node.outputs):
                 continue
             if node.domain == MS_DOMAIN and node.op_type in _SKIP_NORMS:
-                modified |= _shape_skip_norm(node)
+                modified |= _shape_norm(node, -1)
             elif node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx") \
                     and opsets.get("", 17) < 17:  # onnxruntime's own, below ONNX's opset 17
-                modified |= _shape_layer_norm(node)
+                modified |= _shape_norm(node, node.attributes.get_int("axis", -1))
             elif _is_contrib(node):
                 shape = _contrib_shape(node)
                 if shape is not None and node.outputs[0].shape is None:

@@ -29,7 +29,7 @@ from onnx_ir.passes import InPlacePass, PassError, PassResult, Sequential
 
 from passes.autodiff.errors import unwrap_pass_errors
 from passes.exports import ClassifyWeightsPass, RecoverParametersPass, TorchConventionsPass
-from passes.forward.contrib_shapes import ContribShapesPass, infer_node
+from passes.forward.contrib_shapes import ContribShapesPass, infer_node, opsets_of
 from passes.forward.expose_dropout_mask import ExposeDropoutMaskPass
 from passes.forward.expose_norm_stats import ExposeNormStatsPass
 from passes.forward.expose_running_stats import ExposeRunningStatsPass
@@ -77,7 +77,7 @@ def _check_declared_shapes(model: ir.Model) -> bool:
     """A graph output whose producer's inference (that node alone, from its inputs' inferred
     shapes: onnx's graph inference keeps a declared output shape) contradicts its declared
     shape takes the inferred one, with a warning. Changed any?"""
-    opsets = {"" if d == "ai.onnx" else d: v for d, v in model.opset_imports.items()}
+    opsets = opsets_of(model)
     corrected = False
     for value in model.graph.outputs:
         node, shape = value.producer(), value.shape

@@ -38,6 +38,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.kernels._graph import DEFAULT_DOMAINS, const_array, default_opset, take_over
+from passes.names import free_name
 
 NOISE_KEY = "gradgraph.dropout_noise"
 _TYPES = {ir.DataType.FLOAT: np.float32, ir.DataType.DOUBLE: np.float64}
@@ -70,16 +71,6 @@ def _ratio(node: ir.Node) -> float | None:
         scalar = value.dtype.type(value.reshape(-1)[0])
         ratio = float(scalar) if value.dtype == np.float64 else float(np.format_float_positional(scalar, unique=True))
     return ratio if 0.0 < ratio <= 1.0 else None
-
-
-def _unique(name: str, taken: set) -> str:
-    """``name``, or ``name_<k>`` where it is taken; the result is taken from then on."""
-    candidate, k = name, 0
-    while candidate in taken:
-        k += 1
-        candidate = f"{name}_{k}"
-    taken.add(candidate)
-    return candidate
 
 
 def _mask_unread(node: ir.Node) -> bool:
@@ -119,7 +110,7 @@ class DropoutNoisePass(InPlacePass):
         """Ratio 1 (onnxruntime's kernel refuses it): ``Y = X * 0``, as torch computes it."""
         x = node.inputs[0]
         assert x is not None and x.dtype is not None
-        name = _unique(f"{node.name or node.outputs[0].name or 'Dropout'}/dropped_zero", taken)
+        name = free_name(f"{node.name or node.outputs[0].name or 'Dropout'}/dropped_zero", taken)
         zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, x.dtype.numpy()))}, name=name)
         apply = ir.node("Mul", [x, zero.outputs[0]], name=f"{name}_apply")
         zero.outputs[0].name = name
@@ -134,7 +125,7 @@ class DropoutNoisePass(InPlacePass):
     def _rewrite(graph: ir.Graph, node: ir.Node, ratio: float, shape: tuple[int, ...], taken: set) -> None:
         x, out = node.inputs[0], node.outputs[0]
         assert x is not None and x.dtype is not None
-        name = _unique(f"{out.name or node.name or 'Dropout'}.noise", taken)
+        name = free_name(f"{out.name or node.name or 'Dropout'}.noise", taken)
         noise = ir.Value(name=name, type=ir.TensorType(x.dtype), shape=ir.Shape(shape))
         noise.metadata_props[NOISE_KEY] = repr(ratio)
         graph.inputs.append(noise)

@@ -54,6 +54,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.engine import captured_values
 from passes.marks import STAGE_KEY, Role, mark, role_of
+from passes.names import free_name
 from passes.recompute.analysis import SHAPE_ONLY_READERS, is_activation_producer, value_bytes
 from passes.recompute.options import RecomputeOptions
 from passes.recompute.patterns import (
@@ -343,20 +344,10 @@ def _unique_clone_names(graph: ir.Graph) -> None:
     values |= {o.name for n in graph if id(n) not in ids for o in n.outputs if o.name}
     nodes = {n.name for n in graph if id(n) not in ids and n.name}
     for node in clones:
-        node.name = _free(node.name, nodes) if node.name else node.name
+        node.name = free_name(node.name, nodes) if node.name else node.name
         for out in node.outputs:
             if out.name:
-                out.name = _free(out.name, values)
-
-
-def _free(name: str, taken: set[str]) -> str:
-    """``name``, or ``name_1``, ``name_2`` ... when taken; the result is added to ``taken``."""
-    candidate, k = name, 0
-    while candidate in taken:
-        k += 1
-        candidate = f"{name}_{k}"
-    taken.add(candidate)
-    return candidate
+                out.name = free_name(out.name, values)
 
 
 class GeluRecomputePass(RecomputePass):
