@@ -90,6 +90,11 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
         raise GradientError(f"model file {str(path)!r} is a folder; name the .onnx file in it")
     if not path.is_file():
         raise GradientError(f"model file {str(path)!r} does not exist")
+    if is_torch_file(path):
+        raise GradientError(
+            f"model file {str(path)!r} is a PyTorch file (torch.save), not an ONNX model: load it "
+            "into its module, compute the loss in forward, and export that: torch.onnx.export("
+            "module, example_args, 'model.onnx', dynamo=True, optimize=False)")
     try:
         proto = onnx.load(str(path))
     except Exception as exc:  # noqa: BLE001
@@ -105,6 +110,26 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
     if not proto.graph.node and not proto.graph.output:
         raise GradientError(f"model file {str(path)!r} holds no graph (is it an ONNX model?)")
     return _from_proto(proto, f"model file {str(path)!r}")
+
+
+def is_torch_file(path: Path) -> bool:
+    """Whether ``path`` is what ``torch.save`` / ``torch.jit.save`` write: a zip archive holding
+    ``data.pkl`` or ``constants.pkl``, or a bare pickle (torch's legacy format). An ONNX model
+    starts with neither (no ModelProto field is numbered 10, the zip magic's first byte; a
+    pickle's first byte 0x80 would be field 16)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return True
+    if head != b"PK\x03\x04":
+        return False
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(n.rsplit("/", 1)[-1] in ("data.pkl", "constants.pkl") for n in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def _missing_external_data(path: Path) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gradgraph import check as checking
-from gradgraph.cli.common import add_list_weights, list_weights, main_for, weights_arg
+from gradgraph.cli.common import add_list_weights, fit_batch, list_weights, main_for, weights_arg
 from gradgraph.feeds import load_npz
 
 
@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list_weights:
         return list_weights(args)
     inputs = None if args.inputs is None else load_npz(args.inputs, "inputs file")
-    report = checking.gradcheck(args.model, args.loss, weights_arg(args.weights), inputs,
+    model = args.model if inputs is None else fit_batch(args.model, inputs, "check")
+    report = checking.gradcheck(model, args.loss, weights_arg(args.weights), inputs,
                                 eps=args.eps, rtol=args.rtol, atol=args.atol,
                                 max_elements=args.max_elements, seed=args.seed,
                                 loss_reduction=args.reduce)

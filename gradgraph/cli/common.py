@@ -143,10 +143,12 @@ def add_list_weights(parser: argparse.ArgumentParser) -> None:
 
 def main_for(add_parser: object, argv: list[str] | None) -> int:
     """Run one sub-command's parser alone (``python -m gradgraph.cli.train ...``)."""
-    parser = argparse.ArgumentParser(prog="gradgraph")
+    from gradgraph.cli.parser import CommandParser, parse
+
+    parser = CommandParser(prog="gradgraph")
     add_parser(parser.add_subparsers(dest="command", required=True))  # type: ignore[operator]
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     args.argv = argv
     return run_command(args)
 
@@ -226,3 +228,37 @@ def pass_groups(args: argparse.Namespace) -> dict[str, object]:
         }
     except ValueError as exc:
         raise InputError(str(exc)) from exc
+
+
+def fit_batch(model: str, inputs: dict[str, Any], command: str) -> str | Any:
+    """``model``, or, when the rows of ``inputs`` differ from the batch its inputs fix, the model
+    made batch-dynamic as ``train`` makes it (:func:`gradgraph.make_batch_dynamic`, verified)."""
+    from gradgraph.io import load_model
+    from passes.batching import select_batch_inputs
+
+    loaded = load_model(model)
+    fixed, batched = select_batch_inputs(loaded.graph)
+    rows = {int(inputs[v.name].shape[0]) for v in batched
+            if v.name in inputs and getattr(inputs[v.name], "ndim", 0) > 0}
+    if not fixed or not rows or rows == {fixed}:
+        return model
+    from gradgraph.batching import make_batch_dynamic
+
+    print(f"gradgraph {command}: the model was exported with batch {fixed}; making its batch "
+          f"dimension dynamic for the {sorted(rows)[0]} rows given", file=sys.stderr)
+    return make_batch_dynamic(loaded)
+
+
+TORCH_EXTRA = "pip install 'gradgraph[torch]'"
+
+
+def require_torch(what: str) -> None:
+    """A user error naming the ``torch`` extra when PyTorch is not installed."""
+    import importlib.util
+
+    try:
+        missing = importlib.util.find_spec("torch") is None
+    except (ImportError, ValueError):  # a broken or stubbed torch
+        missing = True
+    if missing:
+        raise InputError(f"{what} needs PyTorch, which is not installed: {TORCH_EXTRA}")

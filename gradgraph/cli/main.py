@@ -10,6 +10,7 @@ import sys
 
 from gradgraph.cli import build, check, grad, train
 from gradgraph.cli.common import run_command
+from gradgraph.cli.parser import CommandParser, parse
 
 DESCRIPTION = """\
 Gradient and training graphs for ONNX models, in standard ONNX ops.
@@ -26,11 +27,11 @@ and exits 2. `gradgraph SUB-COMMAND -h` for each sub-command's options.
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> CommandParser:
     from gradgraph import __version__
 
-    parser = argparse.ArgumentParser(prog="gradgraph", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="gradgraph", description=DESCRIPTION,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"gradgraph {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (grad, check, train, build):
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     args.argv = argv  # ``train --nproc`` relaunches the same command line in each rank
     return run_command(args)
 

@@ -34,6 +34,7 @@ from gradgraph.cli.common import (
     list_weights,
     main_for,
     pass_groups,
+    require_torch,
 )
 from gradgraph.feeds import InputError, load_npz
 from gradgraph.io import atomic_write_bytes, remove_stale_temps
@@ -328,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
     ckpt_dir = _checkpoint_dir(args, rank)
     data = load_npz(args.data, "data file")
     if args.nproc > 1 and world == 1:
+        require_torch(f"--nproc {args.nproc} (data-parallel ranks on torch.distributed)")
         return _launch_ranks(args)  # the checks above ran once, here, before any rank starts
     groups = (ParamGroup(tuple(args.no_decay), {"weight_decay": 0.0}),) if args.no_decay else ()
     try:

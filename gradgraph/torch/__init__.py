@@ -3,6 +3,14 @@
 (with :class:`ORTTrainerOptions` and the configs of :mod:`gradgraph.torch.optim`) trains a
 module or an ONNX model with gradgraph's training graph."""
 
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as _exc:
+    if _exc.name != "torch":
+        raise
+    raise ModuleNotFoundError("gradgraph.torch needs PyTorch, which is not installed: "
+                              "pip install 'gradgraph[torch]'", name="torch") from None
+
 from gradgraph.torch import optim
 from gradgraph.torch.export import ExportFailed, export_call
 from gradgraph.torch.factory import TorchOrtFactory, TorchOrtFunction
