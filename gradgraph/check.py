@@ -63,12 +63,12 @@ from onnx.reference import ReferenceEvaluator
 from onnx_ir.passes import PassError
 
 from gradgraph.api import build_gradient_graph
+from gradgraph.check_draws import freeze_random_draws
 from gradgraph.feeds import NP_OF_ORT, InputError, check_feeds, unshaped_inputs
 from gradgraph.io import load_model
 from gradgraph.reference_kernels import REFERENCE_OVERRIDES
 from passes.autodiff import GradientError
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
-from passes.cleanup import RANDOM_OPS
 from passes.forward.prepare import PrepareForGradientPass
 from passes.forward.reduce_loss import ReduceLossPass
 from passes.forward.to_double import ToDoublePass
@@ -560,9 +560,21 @@ def gradcheck(
     try:
         # as build_gradient_graph: folded parameters are refused only for the default trained set
         prepare = PrepareForGradientPass(strict_parameters=weights is None)
-        prepared = prepare(load_model(model)).model
-        notes = _without_random_draws(prepared, model_desc)
-        forward = ir.to_proto(ReduceLossPass(loss, loss_reduction)(prepared).model)
+        prepared = ReduceLossPass(loss, loss_reduction)(prepare(load_model(model)).model).model
+    except PassError as exc:
+        raise _unwrap_pass_error(exc, model_desc) from exc
+    given = ir.to_proto(prepared)
+    feeds = dict(inputs) if inputs is not None else random_inputs(given, seed)
+    names = [i.name for i in given.graph.input]
+    extra = sorted(set(feeds) - set(names))
+    if extra:
+        raise InputError(f"the inputs given hold {extra}, which {'is' if len(extra) == 1 else 'are'} "
+                         f"not an input of {model_desc}; its inputs are {names}")
+    # a random draw is made once and fed to both sides (gradgraph.check_draws)
+    draws, notes = freeze_random_draws(prepared, feeds, seed, model_desc)
+    feeds.update(draws)
+    forward = ir.to_proto(prepared) if draws else given
+    try:
         grad_model = build_gradient_graph(forward, loss, weights)
     except PassError as exc:
         raise _unwrap_pass_error(exc, model_desc) from exc
@@ -571,12 +583,6 @@ def gradcheck(
               if p.key == GRADIENT_OF_KEY]
     grad_names = [g for g, _ in marked]
     trained = [w for _, w in marked]
-    feeds = dict(inputs) if inputs is not None else random_inputs(forward, seed)
-    names = [i.name for i in forward.graph.input]
-    extra = sorted(set(feeds) - set(names))
-    if extra:
-        raise InputError(f"the inputs given hold {extra}, which {'is' if len(extra) == 1 else 'are'} "
-                         f"not an input of {model_desc}; its inputs are {names}")
     try:
         grad_session = _session(grad_model)
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
@@ -598,34 +604,6 @@ def gradcheck(
         rtol=rtol, atol=atol, max_elements=max_elements, seed=seed, model_desc=model_desc,
         inputs_text=where)
     return dataclasses.replace(report, notes=tuple(notes))
-
-
-def _without_random_draws(model: ir.Model, model_desc: str) -> list[str]:
-    """Training-mode Dropouts of ``model`` switched off (inference Dropout, the identity), with a
-    note naming them: each run of the loss would draw new masks, and differences of the loss
-    would measure the masks, not the gradient (every entry looked like a kink). Any other op
-    that draws random numbers is refused: its draws cannot be held fixed here."""
-    dropouts = []
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.domain not in ("", "ai.onnx"):
-            continue
-        if node.op_type in RANDOM_OPS:
-            raise GradientError(
-                f"cannot check {model_desc}: node {node.name!r} ({node.op_type}) draws random "
-                "numbers, so the loss changes from run to run and differences of it say nothing "
-                "about the gradient; feed the random values as an input to check this model",
-                op_type=node.op_type)
-        if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2] is not None:
-            training = node.inputs[2].const_value
-            if training is not None and not bool(training.numpy()):
-                continue
-            node.resize_inputs(2)
-            dropouts.append(node.name or node.outputs[0].name)
-    if not dropouts:
-        return []
-    shown = ", ".join(repr(n) for n in dropouts[:3]) + (f" and {len(dropouts) - 3} more" if len(dropouts) > 3 else "")
-    return [f"checked with Dropout off ({shown}): a training-mode Dropout draws a new mask at "
-            "each run, so differences of the loss could not be compared"]
 
 
 def compare_with_central_differences(
