@@ -124,6 +124,22 @@ def _warn_without_device(config: object) -> None:
                       "they may not run there: pass --device cpu to keep those ops in fp32", stacklevel=2)
 
 
+def _recompute_line(config: object, artifacts: TrainingArtifacts) -> str | None:
+    """``recomputed: transformer_layers 42 nodes, gelu 0 nodes``: the forward nodes each asked
+    recompute option clones (None when recompute is off)."""
+    import onnx_ir as ir
+
+    from passes.recompute import recomputed_counts
+
+    options = getattr(getattr(config, "graph_transformer", None), "recompute", None)
+    if options is None or artifacts.gradient is None:
+        return None
+    counts = recomputed_counts(ir.from_proto(artifacts.gradient))
+    asked = [o for o in ("transformer_layers", "attn_dropout", "gelu") if getattr(options, o)]
+    asked += ["memory_budget"] if options.memory_budget is not None else []
+    return "recomputed: " + ", ".join(f"{o} {counts.get(o, 0)} nodes" for o in asked)
+
+
 def _replaced(name: str) -> bool:
     """Files of an earlier build in --save-stages DIR that this build replaces."""
     from gradgraph.pipeline import is_stage_file
@@ -161,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
         atomic_write_bytes(folder / SUMMARY_NAME, text.encode())
         stages = sorted(p.name for p in folder.glob("*.onnx"))
     sys.stdout.write(text)
+    recomputed = _recompute_line(config, artifacts)
+    if recomputed:
+        print(recomputed)
     print(f"wrote {len(stages)} stage models and {SUMMARY_NAME} to {out}/ "
           f"(built in {time.perf_counter() - start:.2f} s)")
     return 0

@@ -5,7 +5,8 @@
 3. :mod:`.planner`: the min-cut planner over an abstract problem (torch
    ``_functorch/partitioners.py``);
 4. :mod:`.patterns`: the reference's Gelu / attention-Dropout / transformer-layer patterns
-   (ORT ``orttraining/core/optimizer/*recompute*.cc``);
+   (ORT ``orttraining/core/optimizer/*recompute*.cc``); :mod:`.residual` finds transformer
+   layers by structure when the reference's anchors and module scopes are missing;
 5. :mod:`.recompute_pass`: :class:`RecomputePass`, which clones, rewires and places.
 """
 
@@ -20,7 +21,9 @@ from passes.recompute.recompute_pass import (
     TransformerLayerRecomputePass,
     plan_for_model,
     planner_problem,
+    recomputed_counts,
 )
+from passes.recompute.residual import residual_layers
 
 __all__ = [
     "AttentionDropoutRecomputePass",
@@ -35,6 +38,8 @@ __all__ = [
     "plan_for_model",
     "plan_recompute",
     "planner_problem",
+    "recomputed_counts",
+    "residual_layers",
     "stashed_values",
     "total_stash_bytes",
     "value_bytes",

@@ -10,6 +10,9 @@ Selects among the rewrites of :class:`passes.recompute.RecomputePass`:
 4. ``memory_budget``: the min-cut planner (torch ``_functorch/partitioners.py``), which picks
    what to save and what to recompute so that stashed activations fit the budget.
 
+Each of them that ends up recomputing nothing warns, naming itself and what it looked for
+(``nothing_recomputed="error"``: raises instead).
+
 Reference: onnxruntime ``orttraining/core/optimizer/{localized_recompute,dropout_recompute,
 transformer_layer_recompute}.cc`` and ``memory_optimizer/*`` (see ORT_TRAINING.md section 3).
 """
@@ -36,6 +39,7 @@ COST_WEIGHTS = (("MatMul", 16.0), ("Gemm", 16.0), ("Conv", 16.0), ("ConvTranspos
                 ("Gelu", 2.0), ("Tanh", 2.0), ("Exp", 2.0), ("Pow", 2.0))
 # Module scopes that number transformer layers: ``encoder.layer.3``, ``layers.3``, ``h.3``.
 LAYER_SCOPE_PATTERN = r"(?:^|[./])(?:layer|layers|h|block|blocks)\.(\d+)$"
+NOTHING_RECOMPUTED = ("warn", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,9 @@ class RecomputeOptions:
     layer_scope_pattern: str = LAYER_SCOPE_PATTERN
     # Transformer layers: output edges a LayerNorm / Dropout start edge has in the reference.
     layer_start_edges: int = 4
+    # An option above that recomputes nothing: "warn" (naming it and what it looked for) or
+    # "error" (a GradientError with the same words).
+    nothing_recomputed: str = "warn"
 
     def __post_init__(self) -> None:
         for field in ("gelu", "attn_dropout", "transformer_layers", "recompute_compute_intensive",
@@ -117,6 +124,9 @@ class RecomputeOptions:
         if self.layer_start_edges < 1:
             raise ValueError(f"RecomputeOptions.layer_start_edges must be >= 1, "
                              f"not {self.layer_start_edges}")
+        if self.nothing_recomputed not in NOTHING_RECOMPUTED:
+            raise ValueError(f"RecomputeOptions.nothing_recomputed must be one of "
+                             f"{NOTHING_RECOMPUTED}, not {self.nothing_recomputed!r}")
         for field in ("banned_ops", "compute_intensive_ops", "gelu_consumers"):
             if isinstance(getattr(self, field), str):
                 raise ValueError(f"RecomputeOptions.{field} must be a tuple of op types, not a str")

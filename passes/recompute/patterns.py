@@ -14,7 +14,8 @@ rewrite itself (clone, rewire, place) is :func:`passes.recompute.recompute_pass.
    reference's start / end edges (start: output 0 of a LayerNorm or Dropout with exactly
    ``layer_start_edges`` forward edges; end: from each Gelu, first consumers to the next Dropout,
    then to the next LayerNorm), else by the module scopes nodes carry (dynamo's
-   ``pkg.torch.onnx.name_scopes`` / ``namespace``, or legacy node names ``/model/h.3/...``).
+   ``pkg.torch.onnx.name_scopes`` / ``namespace``, or legacy node names ``/model/h.3/...``),
+   else as the blocks repeating along the residual stream (:mod:`passes.recompute.residual`).
    The first ``number_recompute_layers`` layers (0 = all but the last) are recomputed from
    their inputs; values a layer hands to later layers stay saved.
 
@@ -33,6 +34,7 @@ import onnx_ir as ir
 from passes.marks import RECOMPUTE_OF_KEY, Role, role_of
 from passes.recompute.analysis import is_activation_producer
 from passes.recompute.options import GELU_OPS, LAYER_NORM_OPS, LAYER_START_OPS, RecomputeOptions
+from passes.recompute.residual import residual_layers
 from passes.subgraphs import has_subgraphs
 
 FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE,
@@ -47,11 +49,14 @@ class RecomputeGroup:
     """Forward nodes recomputed together: a clone reads the clones of producers in the group.
 
     ``keep_outputs``: values the group hands to forward nodes outside it stay saved (layers).
+    ``option``: the :class:`RecomputeOptions` switch that chose it (``gelu``, ...).
     """
 
     label: str
     nodes: tuple[ir.Node, ...]
     keep_outputs: bool = False
+    # The RecomputeOptions switch that chose the group (its clones are marked with it).
+    option: str = ""
 
 
 def is_dropout_with_mask(node: ir.Node) -> bool:
@@ -162,7 +167,7 @@ def gelu_groups(graph: ir.Graph, options: RecomputeOptions) -> list[RecomputeGro
             continue
         first = _first_user(found[1])
         if first is not None and first.op_type in options.gelu_consumers:
-            groups.append(RecomputeGroup(f"gelu {node.name}", tuple(found[0])))
+            groups.append(RecomputeGroup(f"gelu {node.name}", tuple(found[0]), option="gelu"))
     return groups
 
 
@@ -181,7 +186,8 @@ def attn_dropout_groups(graph: ir.Graph, options: RecomputeOptions) -> list[Reco
         first = _first_user(node.outputs[0])
         if producer is not None and producer.op_type == "Softmax" and first is not None \
                 and first.op_type in ("MatMul", "FusedMatMul"):
-            groups.append(RecomputeGroup(f"attention dropout {node.name}", (node,)))
+            groups.append(RecomputeGroup(f"attention dropout {node.name}", (node,),
+                                         option="attn_dropout"))
     return groups
 
 
@@ -270,12 +276,35 @@ def scope_layers(graph: ir.Graph, options: RecomputeOptions) -> list[list[ir.Nod
     return list(layers.values())
 
 
+LAYER_SEARCHES = (
+    "the reference's start / end edges (a LayerNorm or Dropout output with layer_start_edges "
+    "forward edges; Gelu -> Dropout -> LayerNorm)",
+    "numbered module scopes (node metadata pkg.torch.onnx.name_scopes / namespace, or node "
+    "names such as /h.3/...) matching layer_scope_pattern",
+    "blocks repeating along the residual stream (a residual Add read by a LayerNorm, RMSNorm "
+    "or their decomposition)",
+)
+
+
+def find_layers(graph: ir.Graph, options: RecomputeOptions) -> tuple[list[list[ir.Node]], str]:
+    """The transformer layers and the search that found them (module docstring, case 3)."""
+    for search, find in zip(LAYER_SEARCHES, (reference_layers, scope_layers, _residual)):
+        layers = find(graph, options)
+        if layers:
+            return layers, search
+    return [], ""
+
+
+def _residual(graph: ir.Graph, options: RecomputeOptions) -> list[list[ir.Node]]:
+    return residual_layers(graph)
+
+
 def transformer_layer_groups(graph: ir.Graph, options: RecomputeOptions) -> list[RecomputeGroup]:
     """Case 3 of the module docstring."""
-    layers = reference_layers(graph, options) or scope_layers(graph, options)
+    layers, _ = find_layers(graph, options)
     count = len(layers) - 1
     if 0 < options.number_recompute_layers < count:
         count = options.number_recompute_layers
     return [RecomputeGroup(f"layer {i}", tuple(n for n in layer if recomputable(n, options)),
-                           keep_outputs=True)
+                           keep_outputs=True, option="transformer_layers")
             for i, layer in enumerate(layers[:max(count, 0)])]

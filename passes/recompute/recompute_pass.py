@@ -53,14 +53,17 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.engine import captured_values
-from passes.marks import STAGE_KEY, Role, mark, role_of
+from passes.autodiff.errors import GradientError
+from passes.marks import RECOMPUTE_OF_KEY, STAGE_KEY, Role, mark, role_of
 from passes.names import free_name
 from passes.recompute.analysis import SHAPE_ONLY_READERS, is_activation_producer, value_bytes
 from passes.recompute.options import RecomputeOptions
 from passes.recompute.patterns import (
+    LAYER_SEARCHES,
     RecomputeGroup,
     attn_dropout_groups,
     const_scalar,
+    find_layers,
     gelu_groups,
     recomputable,
     transformer_layer_groups,
@@ -69,6 +72,7 @@ from passes.recompute.planner import RecomputePlan, RecomputeProblem, plan_recom
 
 RECOMPUTE_BY_KEY = "gradgraph.recompute_by"
 SUFFIX = "_recompute"
+PLANNER = "planner"  # recompute_by of the planner's clones
 DROPOUT_DEFAULT_RATIO = 0.5  # ONNX Dropout's default ratio
 # Session settings recompute needs on stock onnxruntime (module docstring).
 SESSION_DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination",)
@@ -143,7 +147,9 @@ def _needed(group: RecomputeGroup, member: dict[int, int], index: int,
 
 
 def apply_groups(graph: ir.Graph, groups: Sequence[RecomputeGroup], by: str) -> int:
-    """Clone, rewire and place the groups (module docstring, cases 2-4); returns #clones."""
+    """Clone, rewire and place the groups (module docstring, cases 2-4); returns #clones.
+
+    Clones are marked ``recompute_by`` with their group's ``option``, else ``by``."""
     member: dict[int, int] = {}
     for index, group in enumerate(groups):
         for node in group.nodes:
@@ -178,7 +184,7 @@ def apply_groups(graph: ir.Graph, groups: Sequence[RecomputeGroup], by: str) -> 
         for node in nodes:
             inputs = [None if v is None else clones.get(id(v), v) if member.get(id(v.producer())) == i
                       else v for v in node.inputs]
-            new = _clone(node, inputs, by)
+            new = _clone(node, inputs, groups[i].option or by)
             made.extend(new)
             for old, value in zip(_clone_outputs(node), new[-1].outputs):
                 clones[id(old)] = value
@@ -320,7 +326,8 @@ class RecomputePass(InPlacePass):
         if options.gelu:
             groups += gelu_groups(graph, options)
         made = apply_groups(graph, groups, "pattern")
-        planned = any(n.metadata_props.get(RECOMPUTE_BY_KEY) == "planner" for n in graph)
+        planned = any(n.metadata_props.get(RECOMPUTE_BY_KEY) == PLANNER for n in graph)
+        plan = None
         if options.memory_budget is not None and not planned:
             problem, nodes = planner_problem(graph, options)
             _warn_unsized(graph, list(nodes.values()), options)
@@ -329,10 +336,71 @@ class RecomputePass(InPlacePass):
                 warnings.warn(f"RecomputePass: memory_budget={options.memory_budget}: {plan.reason}",
                               stacklevel=2)
             chosen = tuple(nodes[n] for n in problem.nodes if n in plan.recomputed)
-            made += apply_groups(graph, [RecomputeGroup("planner", chosen)], "planner")
+            made += apply_groups(graph, [RecomputeGroup("planner", chosen)], PLANNER)
         if made:
             _unique_clone_names(graph)
+        _report_nothing(graph, options, groups, plan)
         return PassResult(model, made > 0)
+
+
+def recomputed_counts(model: ir.Model | ir.Graph) -> dict[str, int]:
+    """Forward nodes recomputed, by the :class:`RecomputeOptions` field that asked for it
+    (``gelu``, ``attn_dropout``, ``transformer_layers``, ``memory_budget``)."""
+    graph = model.graph if isinstance(model, ir.Model) else model
+    recomputed: dict[str, set[str]] = {}
+    for node in graph:
+        if role_of(node) == Role.RECOMPUTE:
+            by = node.metadata_props.get(RECOMPUTE_BY_KEY, "")
+            option = "memory_budget" if by == PLANNER else by
+            recomputed.setdefault(option, set()).add(node.metadata_props.get(RECOMPUTE_OF_KEY, ""))
+    return {option: len(nodes) for option, nodes in recomputed.items()}
+
+
+# How each option is set, for the warning (the API's field, TrainingParameters, the CLI).
+_SET_BY = {"gelu": ("gelu_recompute", "--recompute gelu"),
+           "attn_dropout": ("attn_dropout_recompute", "--recompute attn_dropout"),
+           "transformer_layers": ("transformer_layer_recompute", "--recompute transformer_layers"),
+           "memory_budget": ("recompute_memory_budget", "--memory-budget")}
+_LOOKED_FOR = {
+    "gelu": "a Gelu, FastGelu or BiasGelu, or the erf form x * 0.5 * (1 + Erf(x / sqrt 2)), whose "
+            "output's first forward consumer is one of gelu_consumers",
+    "attn_dropout": "a training Dropout (constant ratio, a mask output) fed by Softmax whose "
+                    "output's first forward consumer is a MatMul",
+}
+
+
+def _report_nothing(graph: ir.Graph, options: RecomputeOptions, groups: Sequence[RecomputeGroup],
+                    plan: RecomputePlan | None) -> None:
+    """Warn (or raise, ``nothing_recomputed='error'``) for each option that recomputes nothing."""
+    counts = recomputed_counts(graph)
+    asked = [o for o in ("transformer_layers", "attn_dropout", "gelu") if getattr(options, o)]
+    if options.memory_budget is not None:
+        asked.append("memory_budget")
+    for option in asked:
+        if counts.get(option):
+            continue
+        found = sum(1 for g in groups if g.option == option)
+        if option == "transformer_layers":
+            layers, search = find_layers(graph, options)
+            why = (f"it looked for layers by {'; by '.join(LAYER_SEARCHES)}, and found none"
+                   if not layers else
+                   f"it found {len(layers)} layer(s) by {search}, and recomputes all but the last "
+                   f"(number_recompute_layers={options.number_recompute_layers}): the backward "
+                   "reads nothing of those it may recompute")
+        elif option == "memory_budget":
+            why = ("the activations the backward keeps already fit the budget "
+                   f"({plan.save_all_bytes} bytes)" if plan is not None and plan.feasible
+                   else plan.reason if plan is not None else "the graph already holds planner clones")
+        else:
+            why = (f"it looked for {_LOOKED_FOR[option]}; found "
+                   + (f"{found}, but the backward reads none of their outputs" if found else "none"))
+        field, flag = _SET_BY[option]
+        value = options.memory_budget if option == "memory_budget" else True
+        message = (f"RecomputePass: RecomputeOptions.{option}={value} (TrainingParameters.{field}, "
+                   f"CLI {flag}) recomputed nothing: {why}")
+        if options.nothing_recomputed == "error":
+            raise GradientError(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _unique_clone_names(graph: ir.Graph) -> None:
