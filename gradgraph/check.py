@@ -65,6 +65,7 @@ from onnx_ir.passes import PassError
 from gradgraph.api import build_gradient_graph
 from gradgraph.check_draws import freeze_random_draws
 from gradgraph.feeds import NP_OF_ORT, InputError, check_feeds, unshaped_inputs
+from gradgraph.index_inputs import IndexCheck
 from gradgraph.io import load_model
 from gradgraph.reference_kernels import REFERENCE_OVERRIDES
 from passes.autodiff import GradientError
@@ -570,6 +571,8 @@ def gradcheck(
     if extra:
         raise InputError(f"the inputs given hold {extra}, which {'is' if len(extra) == 1 else 'are'} "
                          f"not an input of {model_desc}; its inputs are {names}")
+    if inputs is not None:  # torch's IndexError for a negative or out-of-range label or id
+        IndexCheck(prepared)(feeds, "the inputs given")
     # a random draw is made once and fed to both sides (gradgraph.check_draws)
     draws, notes = freeze_random_draws(prepared, feeds, seed, model_desc)
     feeds.update(draws)

@@ -3,6 +3,9 @@
 1. ``gradgraph check`` on a forward that draws random numbers holds one draw fixed on both
    sides of the comparison (gradgraph.check_draws), so it is deterministic and compares the
    gradient of one function.
+2. A negative (or too large) class label or embedding id is refused as torch refuses it:
+   ``gradgraph train --data`` at load, :class:`TrainingSession` before onnxruntime runs,
+   ``gradgraph check --inputs``; a hand-built model opts in to ONNX's negative Gather indices.
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ from onnx import parser
 
 from gradgraph.check import gradcheck
 from gradgraph.cli.main import main as cli_main
+from gradgraph.feeds import InputError
+from gradgraph.index_inputs import ALLOW_NEGATIVE_KEY, index_uses
+from gradgraph.training.options import TrainingConfig
+from gradgraph.training.session import TrainingSession
+from passes.optimizer import SGDConfig
 
 torch = pytest.importorskip("torch")
 
@@ -115,3 +123,99 @@ def test_check_of_a_train_mode_hf_bert_passes(tmp_path):
                        max_elements=4)
     assert report.ok and not report.failed and len(report) > 20, _rows(report)
     assert "Dropout" in report.notes[0]
+
+
+# ---- 2. negative labels and ids ----------------------------------------------------------------
+
+_CLASSIFIER = """
+<ir_version: 9, opset_import: ["" : 17]>
+g (int64[N, 3] ids, int64[N] y) => (float loss) <float[10, 4] emb = {EMB}, float[4, 5] w = {W}> {
+    shape = Constant<value = int64[1] {-1}>()
+    shape3 = Constant<value = int64[3] {-1, 3, 4}>()
+    flat = Reshape(ids, shape)
+    e = Gather(emb, flat)
+    e3 = Reshape(e, shape3)
+    h = ReduceMean<axes = [1], keepdims = 0>(e3)
+    s = MatMul(h, w)
+    labels = Identity(y)
+    loss = SoftmaxCrossEntropyLoss<ignore_index = -100, reduction = "mean">(s, labels)
+}
+"""
+
+
+def _classifier(allow_negative: bool = False) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    text = _CLASSIFIER.replace("{EMB}", "{" + ", ".join(map(str, rng.standard_normal(40).round(3))) + "}")
+    model = parser.parse_model(text.replace("{W}", "{" + ", ".join(map(str, rng.standard_normal(20).round(3))) + "}"))
+    if allow_negative:
+        onnx.helper.set_model_props(model, {ALLOW_NEGATIVE_KEY: "true"})
+    return model
+
+
+def _data(**bad) -> dict[str, np.ndarray]:
+    data = {"ids": np.arange(24).reshape(8, 3) % 10, "y": np.arange(8) % 5}
+    for name, (position, value) in bad.items():
+        data[name][position] = value
+    return data
+
+
+def test_index_inputs_are_found_structurally():
+    uses = index_uses(_classifier())
+    assert [(u.op_type, u.size, u.ignore_index) for u in uses["ids"]] == [("Gather", 10, None)]
+    assert [(u.op_type, u.size, u.ignore_index) for u in uses["y"]] == [("SoftmaxCrossEntropyLoss", 5, -100)]
+
+
+@pytest.mark.parametrize(("bad", "shown"), [
+    ({"y": (3, -1)}, "input 'y' holds -1 at position [3]"),
+    ({"y": (5, 5)}, "input 'y' holds 5 at position [5]"),
+    ({"ids": ((2, 1), -1)}, "input 'ids' holds -1 at position [2, 1]"),
+    ({"ids": ((7, 0), 10)}, "input 'ids' holds 10 at position [7, 0]"),
+])
+def test_train_refuses_bad_labels_and_ids_at_load(tmp_path, capsys, bad, shown):
+    """`gradgraph train` on labels -1 trained with exit 0 (the label wrapped to the last class)."""
+    model, data = tmp_path / "m.onnx", tmp_path / "d.npz"
+    onnx.save(_classifier(), model)
+    np.savez(data, **_data(**bad))
+    code = cli_main(["train", str(model), "--loss", "loss", "--data", str(data), "--steps", "2",
+                     "--batch-size", "4", "--lr", "0.1", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and shown in err and "torch raises IndexError" in err and f"{data}" in err
+    assert len(err.strip().splitlines()[-1]) > 40 and "Traceback" not in err
+
+
+def test_ignore_index_labels_train():
+    session = TrainingSession(_classifier(), TrainingConfig("loss", SGDConfig()))
+    batch = _data(y=(1, -100))
+    assert np.isfinite(session.train_step({k: v[:4] for k, v in batch.items()}, lr=0.1))
+
+
+def test_session_refuses_bad_indices_before_onnxruntime():
+    session = TrainingSession(_classifier(), TrainingConfig("loss", SGDConfig()))
+    batch = {k: v[:4] for k, v in _data(y=(2, -1)).items()}
+    with pytest.raises(InputError, match=r"train_step: input 'y' holds -1 at position \[2\]"):
+        session.train_step(batch, lr=0.1)
+    with pytest.raises(InputError, match=r"eval_step: input 'y' holds -1"):
+        session.eval_step(batch)
+    batch = {k: v[:4] for k, v in _data(ids=((0, 0), -3)).items()}
+    with pytest.raises(InputError, match=r"metadata property gradgraph.allow_negative_indices=true"):
+        session.train_step(batch, lr=0.1)
+    assert session.step == 0
+
+
+def test_a_model_opts_in_to_negative_gather_indices():
+    """ONNX reads -i as row n - i: a hand-built model that means it sets the metadata property;
+    below -n, and negative labels, are refused still."""
+    session = TrainingSession(_classifier(allow_negative=True), TrainingConfig("loss", SGDConfig()))
+    reference = TrainingSession(_classifier(), TrainingConfig("loss", SGDConfig()))
+    wrapped = {k: v[:4] for k, v in _data(ids=((0, 0), -1)).items()}
+    plain = {k: v[:4] for k, v in _data(ids=((0, 0), 9)).items()}
+    assert session.train_step(wrapped, lr=0.1) == reference.train_step(plain, lr=0.1)
+    with pytest.raises(InputError, match=r"holds -11 .* in \[-10, 10\)"):
+        session.train_step({k: v[:4] for k, v in _data(ids=((0, 0), -11)).items()}, lr=0.1)
+    with pytest.raises(InputError, match=r"input 'y' holds -2"):
+        session.train_step({k: v[:4] for k, v in _data(y=(0, -2)).items()}, lr=0.1)
+
+
+def test_check_refuses_bad_labels_in_given_inputs():
+    with pytest.raises(InputError, match=r"the inputs given: input 'y' holds -1"):
+        gradcheck(_classifier(), "loss", inputs={k: v[:4] for k, v in _data(y=(0, -1)).items()})

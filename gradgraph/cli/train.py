@@ -37,6 +37,7 @@ from gradgraph.cli.common import (
     require_torch,
 )
 from gradgraph.feeds import InputError, load_npz
+from gradgraph.index_inputs import IndexCheck
 from gradgraph.io import atomic_write_bytes, remove_stale_temps
 from gradgraph.training.checkpoint import CheckpointError
 from gradgraph.training.schedules import KINDS, Schedule
@@ -257,7 +258,7 @@ def _precheck(args: argparse.Namespace) -> None:
     if unknown:
         raise InputError(f"--freeze {unknown}: not initializers of {args.model!r}")
     inputs = [v.name or "" for v in model.graph.inputs if not v.is_initializer()]
-    _check_data(load_npz(args.data, "data file"), inputs, args.data)
+    IndexCheck(model)(_check_data(load_npz(args.data, "data file"), inputs, args.data), f"data file {args.data!r}")
 
 
 def _check_data(data: dict[str, np.ndarray], inputs: Sequence[str], path: str) -> dict[str, np.ndarray]:
@@ -357,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
                               save_stages=args.save_stages if rank == 0 else None,
                               distributed=distributed)
     data = _check_data(data, session.artifacts.feeds, args.data)
+    IndexCheck(model)(data, f"data file {args.data!r}")  # torch's IndexError, before any step
     schedule = Schedule(args.schedule, args.lr, args.steps, args.warmup_steps)
     losses: list[float] = []
     if args.resume and ckpt_dir is not None:

@@ -31,6 +31,7 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from gradgraph.feeds import InputError
+from gradgraph.index_inputs import IndexCheck
 from gradgraph.io import atomic_output_path, save_model
 from gradgraph.training.build import (
     TrainingArtifacts,
@@ -180,6 +181,7 @@ class TrainingSession:
             self._train = GraphRunner(art.train, *_with_optimized_path(args, written_by_ort))
         self._accumulate = GraphRunner(art.accumulate, *args) if art.accumulate is not None else None
         self._eval = GraphRunner(art.eval, *args)
+        self._indices = IndexCheck(art.train, art.eval)  # torch's IndexError, before onnxruntime runs
         self.micro_step = 0
         self.learning_rate: float | None = None
         # Optimizer steps skipped because the loss, weights or state would turn NaN/inf.
@@ -303,6 +305,7 @@ class TrainingSession:
         """One micro-step; returns the loss, or ``(loss, {name: array})`` when ``fetches`` is given."""
         names = self.names
         feeds = dict(feeds)
+        self._indices(feeds, "train_step")
         steps = self.config.update.accumulation_steps
         applying = self.micro_step + 1 == steps
         if steps > 1:
@@ -364,6 +367,7 @@ class TrainingSession:
     def eval_step(self, feeds: Mapping[str, Any], fetches: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run the eval graph (Dropout off, BatchNorm inference) on the current weights."""
         wanted = list(fetches) if fetches is not None else list(self.artifacts.outputs)
+        self._indices(feeds, "eval_step")
         try:
             return self._eval.run(self.store, feeds, wanted)
         except _RUN_ERRORS as exc:
