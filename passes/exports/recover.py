@@ -21,24 +21,29 @@ parameters as constants. Using the export signature (see :mod:`passes.exports.si
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.autodiff.errors import GradientError
-from passes.exports.signature import TorchSignature, folded_from, fx_call
+from passes.exports.dropped_bias import RestoreDroppedBiasesPass
+from passes.exports.merged_calls import SplitMergedCallsPass
+from passes.exports.refusal import REEXPORT_HINT as REEXPORT_HINT
+from passes.exports.refusal import lost_error
+from passes.exports.signature import RECOVERED_KEY, TorchSignature, folded_from, fx_call
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 # FX targets whose weight operand is used transposed (torch.nn.functional.linear).
 _LINEAR = frozenset({"aten.linear.default"})
-# Value metadata: how a parameter was recovered (also read by ClassifyWeightsPass).
-RECOVERED_KEY = "gradgraph.recovered"
 # The per-value kind a dynamo export writes for initializers it kept as they were.
 SIGNATURE_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 # Graph metadata listing the parameters that could not be recovered (comma-separated).
 LOST_KEY = "gradgraph.lost_parameters"
-REEXPORT_HINT = ("re-export with torch.onnx.export(..., optimize=False) so that parameters stay "
-                 "initializers, or name the weights to train explicitly")
+# Graph metadata: parameters neither in the export nor read by any node (comma-separated).
+UNREAD_KEY = "gradgraph.unread_parameters"
+# Base names of the FX calls that read rows of a tensor (a folded one keeps its FX name).
+_LOOKUPS = frozenset({"embedding", "index", "index_select", "select", "slice", "narrow", "gather"})
 
 
 class RecoverParametersPass(InPlacePass):
@@ -50,36 +55,37 @@ class RecoverParametersPass(InPlacePass):
         self.optimized = False  # the export has folded constants (its optimizer ran)
         self.fused: set[str] = set()
         self.recovered: dict[str, str] = {}  # parameter -> how
+        self.unread: list[str] = []  # not in the export, read by nothing (see call)
 
     def call(self, model: ir.Model) -> PassResult:
         signature = TorchSignature.read(model)
         if signature is None:
             return PassResult(model, self._undedup(model.graph))
         graph = model.graph
+        biases, merges = RestoreDroppedBiasesPass(), SplitMergedCallsPass()
+        modified = biases(model).modified | merges(model).modified
+        self.recovered.update(biases.recovered)
+        self.recovered.update(merges.recovered)
         placeholders = signature.targets("PARAMETER")
         present = set(graph.initializers) | {v.name for v in graph.inputs}
         missing = {fqn for fqn in placeholders.values() if fqn not in present}
-        modified = self._untranspose(graph, placeholders, missing)
+        modified |= self._untranspose(graph, placeholders, missing)
         modified |= self._unmerge(graph, placeholders, missing)
         self._find_lost(graph, placeholders, missing)
         if self.lost:
             graph.metadata_props[LOST_KEY] = ",".join(self.lost)
         if self.lost and self.strict:
             folded = [p for p in self.lost if p not in self.dropped]
-            reasons = []
-            if folded:
-                reasons.append(f"the exporter's optimizer folded torch parameter(s) {folded} into "
-                               f"other constants in a way gradgraph cannot undo; {REEXPORT_HINT}")
-            if self.dropped:
-                how = ("the exporter's optimizer may have folded them (re-export with "
-                       "torch.onnx.export(..., optimize=False)), or " if self.optimized else
-                       "if the export used optimize=True, re-export with optimize=False first; else ")
-                reasons.append(f"the export has no initializer for torch parameter(s) {self.dropped} "
-                               f"that its torch calls read and no folded constant names them: {how}"
-                               "torch's exporter dropped them (its ONNX form of the call does not "
-                               "use them: try the other exporter, dynamo=True or False); or name "
-                               "the weights to train explicitly")
-            raise GradientError("; ".join(reasons))
+            sources = {s for name, v in graph.initializers.items()
+                       if re.sub(r"_\d+$", "", name) in _LOOKUPS for s in folded_from(v)}
+            read_at_constants = [p for p in folded if p in sources and p not in self.fused]
+            raise lost_error(folded, self.dropped, optimized=self.optimized, read_at_constants=read_at_constants)
+        # Read by nothing and in no constant: unused by forward, tied to a parameter the export
+        # keeps (one placeholder per tensor), or removed with an x*1-style call (the call is gone
+        # with its record). These cannot be told apart in the file: --list-weights shows them.
+        self.unread = sorted(missing - set(self.lost))
+        if self.unread:
+            graph.metadata_props[UNREAD_KEY] = ",".join(self.unread)
         return PassResult(model, modified)
 
     def _untranspose(self, graph: ir.Graph, placeholders: dict[str, str], missing: set[str]) -> bool:
@@ -207,3 +213,4 @@ class RecoverParametersPass(InPlacePass):
         folded_sources = {s for value in graph.initializers.values() for s in folded_from(value)}
         self.dropped = sorted(p for p in self.lost if p in missing and p not in folded_sources)
         self.optimized = bool(folded_sources)
+

@@ -14,6 +14,7 @@ The legacy exporter keeps neither; :meth:`TorchSignature.read` then returns None
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 
@@ -22,7 +23,14 @@ import onnx_ir as ir
 SIGNATURE_KEY = "pkg.torch.export.ExportedProgram.graph_signature"
 FX_NODE_KEY = "pkg.torch.onnx.fx_node"
 FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
+# On a node an onnxscript rewrite rule wrote: the rule's name.
+RULE_NAME_KEY = "pkg.onnxscript.rewriter.rule_name"
+# Value metadata gradgraph writes: how a parameter was recovered (read by ClassifyWeightsPass).
+RECOVERED_KEY = "gradgraph.recovered"
 
+NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+
+_NAME = re.compile(r"^%(\w+) :")
 _LINE = re.compile(r"^(\w+): (\w+)(?: target='([^']*)')?")
 _CALL = re.compile(r"target=(?:torch\.ops\.)?([\w.]+)\]\(args = \((.*)\), kwargs = (\{.*\})\)\s*$", re.S)
 
@@ -98,6 +106,23 @@ def fx_call(node: ir.Node) -> FxCall | None:
         return None
     target, args, _ = match.groups()
     return FxCall(target, _split_args(args))
+
+
+def fx_name(node: ir.Node) -> str | None:
+    """The FX node name recorded on ``node`` (``%layer_norm_1 : ... = call_function...`` ->
+    ``layer_norm_1``): the exporter names the call's output value after it."""
+    match = _NAME.match(node.metadata_props.get(FX_NODE_KEY, ""))
+    return match.group(1) if match else None
+
+
+def module_path(node: ir.Node) -> str:
+    """The torch module path ``node`` was called in (``h.0.mlp.c_fc``; ``""`` for the root or
+    when unrecorded), from ``pkg.torch.onnx.name_scopes``."""
+    try:
+        scopes = ast.literal_eval(node.metadata_props.get(NAME_SCOPES_KEY, "[]"))
+    except (ValueError, SyntaxError):
+        return ""
+    return str(scopes[-2]) if isinstance(scopes, list) and len(scopes) >= 2 else ""
 
 
 def folded_from(value: ir.Value) -> list[str]:

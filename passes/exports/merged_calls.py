@@ -1,0 +1,239 @@
+"""SplitMergedCallsPass: undo the exporter's merge of two torch calls that were equal at init.
+
+onnxscript's optimizer (dynamo ``torch.onnx.export``, ``optimize=True``) ends with
+``DeduplicateInitializersPass`` (equal-valued initializers become one: a fresh model's
+LayerNorm weights are all ones, its biases zeros) and ``CommonSubexpressionEliminationPass``
+(nodes with the same op, inputs and attributes become one). Two calls of different modules on
+the same input, e.g. a parallel-residual block's ``ln_1(x)`` and ``ln_2(x)``, thus become one
+node: the second module's parameters vanish, and the survivor's parameters would be trained
+with the sum of both gradients. Every node records its torch call (``fx_call``) with the FX
+names of its inputs, and a call's output value is named after its FX node, so:
+
+1. a consumer ``C`` whose input ``V`` is the output of another call ``P`` (FX name ``p``), whose
+   recorded args do not name ``%p`` but name exactly one value ``x`` that no longer exists and
+   whose FX name has ``p``'s base (``layer_norm_1`` / ``layer_norm``), read the merged call ``x``;
+2. if ``P``'s nodes that compute ``V`` read no parameter, the merge is exact (the same function
+   of the same values, so the same gradients): left alone;
+3. else those nodes are cloned for ``x``'s consumers (the clone's output is named ``x`` and its
+   recorded call names ``x`` and its own parameters), and each parameter the clone reads gets
+   its own initializer, a copy of the survivor's value, named:
+
+   a. after the torch parameters that the export lost and that no node reads, of the one
+      module holding every parameter suffix the survivor reads (``ln_2.weight``/``ln_2.bias``
+      for ``ln_1.weight``/``ln_1.bias``); among several such modules, the one sharing the
+      longest module-path prefix with ``C``;
+   b. when several modules fit equally: ``<survivor parameter>@merged:<x>``, with a warning
+      (``--list-weights`` gives the reason); the torch parameters stay missing and are
+      reported by ``RecoverParametersPass``;
+   c. when no lost module fits at all: nothing is split. The vanished call read the survivor's
+      own parameters (one module applied twice to the same input), and the merged node's
+      gradient is torch's;
+4. a merge that cannot be cloned (a node of the call holds a subgraph, or the consumer sits in
+   a subgraph) raises :class:`GradientError` naming the call and ``optimize=False``.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from passes.autodiff.errors import GradientError
+from passes.exports.signature import (
+    FX_NODE_KEY,
+    RECOVERED_KEY,
+    TorchSignature,
+    folded_from,
+    fx_call,
+    fx_name,
+    module_path,
+)
+from passes.names import free_name
+
+# On a clone: the FX name of the merged call it stands for.
+MERGED_CALL_KEY = "gradgraph.merged_call"
+MERGED_SUFFIX = "@merged:"
+
+
+def _base(fx: str) -> str:
+    return re.sub(r"_\d+$", "", fx)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    parts_a, parts_b = a.split("."), b.split(".")
+    n = 0
+    while n < min(len(parts_a), len(parts_b)) and parts_a[n] == parts_b[n]:
+        n += 1
+    return n
+
+
+class SplitMergedCallsPass(InPlacePass):
+    def __init__(self) -> None:
+        super().__init__()
+        self.recovered: dict[str, str] = {}  # parameter -> how
+        self.split: list[str] = []  # FX names of the merged calls given back
+        self._placeholders: dict[str, str] = {}
+
+    def call(self, model: ir.Model) -> PassResult:
+        signature = TorchSignature.read(model)
+        if signature is None:
+            return PassResult(model, False)
+        graph = model.graph
+        merges = self._find(graph, signature)
+        if not merges:
+            return PassResult(model, False)
+        parameters = signature.parameters
+        self._placeholders = signature.targets("PARAMETER")
+        lost = self._lost_unread(graph, signature)
+        modified = False
+        for (value, merged), uses in merges.items():
+            nodes = self._call_nodes(value)
+            reads = [v for n in nodes for v in n.inputs
+                     if v is not None and v.is_initializer() and (v.name in parameters
+                                                                   or RECOVERED_KEY in v.metadata_props)]
+            if not reads:
+                continue  # rule 2: the same function of the same values
+            names = self._names(reads, lost, uses[0][0], merged, value)
+            if names is None:
+                continue  # rule 3c
+            self._clone(graph, nodes, value, merged, uses, names)
+            self.split.append(merged)
+            modified = True
+        return PassResult(model, modified)
+
+    # ---- detection ---------------------------------------------------------------------------
+
+    def _find(self, graph: ir.Graph, signature: TorchSignature) -> dict[tuple[ir.Value, str], list[tuple[ir.Node, int]]]:
+        existing = {v.name for n in ir.traversal.RecursiveGraphIterator(graph) for v in n.outputs}
+        existing |= {v.name for v in graph.inputs} | set(graph.initializers)
+        merges: dict[tuple[ir.Value, str], list[tuple[ir.Node, int]]] = {}
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            call, own = fx_call(node), fx_name(node)
+            if call is None:
+                continue
+            recorded = call.placeholders()
+            for index, value in enumerate(node.inputs):
+                producer = value.producer() if value is not None else None
+                source = fx_name(producer) if producer is not None else None
+                if value is None or source is None or source == own or source in recorded:
+                    continue
+                vanished = [a for a in recorded if a not in existing and a not in signature.kinds
+                            and _base(a) == _base(source)]
+                if len(set(vanished)) != 1:
+                    continue
+                if node.graph is not graph or producer is None or producer.graph is not graph:
+                    raise GradientError(
+                        f"the exporter's optimizer merged torch call %{vanished[0]} into %{source} "
+                        "inside a subgraph, where gradgraph cannot give it back; re-export with "
+                        "torch.onnx.export(..., optimize=False)")
+                merges.setdefault((value, vanished[0]), []).append((node, index))
+        return merges
+
+    def _call_nodes(self, value: ir.Value) -> list[ir.Node]:
+        """The nodes of ``value``'s call that ``value`` depends on, in graph order."""
+        producer = value.producer()
+        assert producer is not None
+        fx = fx_name(producer)
+        found: dict[int, ir.Node] = {}
+        stack = [producer]
+        while stack:
+            node = stack.pop()
+            if id(node) in found:
+                continue
+            if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+                raise GradientError(
+                    f"the exporter's optimizer merged a torch call into %{fx} ({node.op_type} node "
+                    f"{node.name!r} holds a subgraph), which gradgraph cannot give back; re-export "
+                    "with torch.onnx.export(..., optimize=False)")
+            found[id(node)] = node
+            stack.extend(v.producer() for v in node.inputs  # type: ignore[misc]
+                         if v is not None and v.producer() is not None and fx_name(v.producer()) == fx)  # type: ignore[arg-type]
+        order = {id(n): i for i, n in enumerate(producer.graph or [])}
+        return sorted(found.values(), key=lambda n: order.get(id(n), 0))
+
+    @staticmethod
+    def _lost_unread(graph: ir.Graph, signature: TorchSignature) -> set[str]:
+        """Torch parameters that are no initializer and that no node's call or folded constant names."""
+        placeholders = signature.targets("PARAMETER")
+        named = {placeholders[p] for n in ir.traversal.RecursiveGraphIterator(graph)
+                 if (c := fx_call(n)) is not None for p in c.placeholders() if p in placeholders}
+        named |= {s for v in graph.initializers.values() for s in folded_from(v)}
+        present = set(graph.initializers) | {v.name for v in graph.inputs}
+        return {fqn for fqn in placeholders.values() if fqn not in present and fqn not in named}
+
+    # ---- naming -----------------------------------------------------------------------------
+
+    def _names(self, reads: list[ir.Value], lost: set[str], consumer: ir.Node, merged: str,
+               value: ir.Value) -> dict[str, str] | None:
+        leaves = {(v.name or "").rsplit(".", 1)[-1] for v in reads}
+        modules = {fqn.rsplit(".", 1)[0] for fqn in lost if "." in fqn}
+        fits = [m for m in modules if all(f"{m}.{leaf}" in lost for leaf in leaves)]
+        if not fits:
+            return None
+        where = module_path(consumer)
+        best = max(_common_prefix(m, where) for m in fits)
+        fits = [m for m in fits if _common_prefix(m, where) == best]
+        if len(fits) == 1:
+            module = fits[0]
+            names = {v.name or "": f"{module}.{(v.name or '').rsplit('.', 1)[-1]}" for v in reads}
+            lost.difference_update(names.values())
+            return names
+        warnings.warn(
+            f"the exporter's optimizer merged torch call %{merged} into %{fx_name(value.producer())} "  # type: ignore[arg-type]
+            f"(equal at init); gradgraph gives it its own copy of the parameters, but cannot tell "
+            f"which of the modules {sorted(fits)} it belongs to, so they are named "
+            f"'<parameter>{MERGED_SUFFIX}{merged}' (see --list-weights); re-export with "
+            "torch.onnx.export(..., optimize=False) to keep the torch names", UserWarning, stacklevel=2)
+        return {v.name or "": f"{v.name}{MERGED_SUFFIX}{merged}" for v in reads}
+
+    # ---- cloning ----------------------------------------------------------------------------
+
+    def _clone(self, graph: ir.Graph, nodes: list[ir.Node], value: ir.Value, merged: str,
+               uses: list[tuple[ir.Node, int]], names: dict[str, str]) -> None:
+        taken = {v.name or "" for n in graph for v in n.outputs} | set(graph.initializers)
+        taken |= {v.name or "" for v in graph.inputs}
+        survivor = fx_name(nodes[-1]) or ""
+        copies: dict[str, ir.Value] = {}
+        mapping: dict[int, ir.Value] = {}
+        for old, new in names.items():
+            source = graph.initializers[old]
+            own = graph.initializers.get(new)
+            if own is None:
+                assert source.const_value is not None
+                own = ir.Value(name=new, shape=source.shape, type=source.type,
+                               const_value=ir.tensor(source.const_value.numpy().copy(), name=new))
+                how = (f"own copy for torch call %{merged}, which the exporter's optimizer merged "
+                       f"into %{survivor} (equal at init)")
+                own.metadata_props[RECOVERED_KEY] = how
+                graph.register_initializer(own)
+                self.recovered[new] = how
+            copies[old] = own
+        by_leaf = {old.rsplit(".", 1)[-1]: re.sub(r"\W", "_", f"p_{new}") for old, new in names.items()}
+        clones = []
+        for node in nodes:
+            inputs = [mapping.get(id(v), copies.get(v.name or "", v)) if v is not None else None
+                      for v in node.inputs]
+            clone = ir.Node(node.domain, node.op_type, inputs, [a for a in node.attributes.values()],
+                            overload=node.overload, num_outputs=len(node.outputs), version=node.version,
+                            name=free_name(f"{node.name or node.op_type}/{merged}", taken),
+                            metadata_props=dict(node.metadata_props))
+            text = clone.metadata_props.get(FX_NODE_KEY, "")
+            text = re.sub(rf"%{survivor}\b", f"%{merged}", text)
+            call = fx_call(node)
+            for arg in call.placeholders() if call is not None else []:
+                leaf = self._placeholders.get(arg, "").rsplit(".", 1)[-1]
+                if leaf in by_leaf:
+                    text = re.sub(rf"%{arg}\b", f"%{by_leaf[leaf]}", text)
+            clone.metadata_props[FX_NODE_KEY] = text
+            clone.metadata_props[MERGED_CALL_KEY] = merged
+            for old_out, new_out in zip(node.outputs, clone.outputs, strict=True):
+                new_out.type, new_out.shape = old_out.type, old_out.shape
+                wanted = merged if old_out is value else f"{merged}/{old_out.name}"
+                new_out.name = free_name(wanted, taken)
+                mapping[id(old_out)] = new_out
+            clones.append(clone)
+        graph.insert_after(nodes[-1], clones)
+        for consumer, index in uses:
+            consumer.replace_input_with(index, mapping[id(value)])

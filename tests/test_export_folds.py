@@ -1,0 +1,305 @@
+"""Default dynamo exports (``torch.onnx.export(m, args, path)``, optimize=True) of FRESH-INIT
+models: what onnxscript's optimizer folds at init (zero biases dropped, equal-valued parameters
+merged, identical calls merged by CSE, ``x*1`` removed) is given back or refused by name
+(issue 34 section 4, issue 35 section 1).
+
+Oracle: torch autograd on the same module and batch, float32, rel 1e-4 (abs 1e-5 x the
+tensor's largest magnitude). The trained set must be every torch parameter on the loss path,
+under its torch name (tied aliases resolved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+torch = pytest.importorskip("torch")
+import export_zoo as zoo  # noqa: E402 - imports torch
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import gradgraph  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+VOCAB, BATCH = 64, 2
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def export_default(module: nn.Module, batch: tuple, names: list[str], path: Path) -> Path:
+    """``torch.onnx.export(module, batch, path)`` as the docs show (optimize=True)."""
+    sink = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, batch, str(path), input_names=names, output_names=["loss"])
+    return path
+
+
+def gradgraph_grads(path: Path, feeds: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
+    """(loss, {trained weight: gradient}) of the default trained set, run in onnxruntime."""
+    model = gradgraph.build_gradient_graph(str(path), loss="loss")
+    outputs = [o.name for o in model.graph.output]
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    inputs = {i.name for i in model.graph.input}
+    got = dict(zip(outputs, session.run(outputs, {k: v for k, v in feeds.items() if k in inputs})))
+    grads = {o[: -len("_grad")]: got[o] for o in outputs if o.endswith("_grad")}
+    return float(got["loss"]), grads
+
+
+def close(got: np.ndarray, want: np.ndarray) -> str | None:
+    if got.shape != want.shape:
+        return f"shape {got.shape} != torch {want.shape}"
+    atol = ATOL * max(1.0, float(np.abs(want).max(initial=0.0)))
+    if np.allclose(got, want, rtol=RTOL, atol=atol):
+        return None
+    return f"max abs err {np.abs(got - want).max():.3g} (max |torch| {np.abs(want).max():.3g})"
+
+
+def assert_trains_like_torch(module: nn.Module, batch: tuple, names: list[str], path: Path) -> dict[str, np.ndarray]:
+    """Every torch parameter on the loss path is trained, under its torch name, with torch's
+    gradient; returns gradgraph's gradients."""
+    module.train()
+    aliases = zoo.param_aliases(module)
+    export_default(module, batch, names, path)
+    torch_loss, want = zoo.torch_loss_and_grads(module, batch)
+    loss, got = gradgraph_grads(path, {n: t.numpy() for n, t in zip(names, batch)})
+    canonical = {aliases.get(n, n) for n in got}
+    assert canonical == set(want), (
+        f"trained but not a torch parameter: {sorted(canonical - set(want))}; "
+        f"torch parameters on the loss path not trained: {sorted(set(want) - canonical)}")
+    assert len(canonical) == len(got), f"a parameter trained under two names: {sorted(got)}"
+    assert close(np.float32(loss), np.float32(torch_loss)) is None, (loss, torch_loss)
+    failures = [f"{n}: {err}" for n, g in sorted(got.items()) if (err := close(g, want[aliases.get(n, n)]))]
+    assert not failures, f"{len(failures)} of {len(got)} gradients differ from torch:\n" + "\n".join(failures)
+    return got
+
+
+class CausalLM(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, labels):
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).logits
+        shift = logits[:, :-1, :]
+        return F.cross_entropy(shift.reshape(-1, shift.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+class MaskedLM(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, token_type_ids, attention_mask, labels):
+        logits = self.model(input_ids=input_ids, token_type_ids=token_type_ids,
+                            attention_mask=attention_mask, return_dict=True).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, labels):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                          use_cache=False, return_dict=True).loss
+
+
+class EncoderLM(nn.Module):
+    """nn.TransformerEncoder (its layers are deep copies: equal at init) between an embedding
+    and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.enc(self.emb(input_ids)))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def _ids(seq: int, low: int = 3) -> torch.Tensor:
+    return torch.randint(low, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(7))
+
+
+# Sizes: onnxscript folds a node whose inputs all are constants of at most 8192 elements. A
+# position-embedding table of 512 x 32 is read whole at run time; a smaller one is folded to
+# the rows read (refused: test_lookups_folded_to_the_rows_read_are_refused). T5's
+# relative-position buckets (seq x seq) fold below 91 positions, hence its 96.
+def _gpt2() -> tuple[nn.Module, tuple, list[str]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = _ids(8)
+    return CausalLM(GPT2LMHeadModel(cfg)), (ids, torch.ones_like(ids), ids.clone()), [
+        "input_ids", "attention_mask", "labels"]
+
+
+def _bert() -> tuple[nn.Module, tuple, list[str]]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=512, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    ids = _ids(8)
+    types = torch.zeros_like(ids)
+    types[:, 4:] = 1
+    labels = torch.full_like(ids, -100)
+    labels[:, 1::3] = ids[:, 1::3]
+    return MaskedLM(BertForMaskedLM(cfg)), (ids, types, torch.ones_like(ids), labels), [
+        "input_ids", "token_type_ids", "attention_mask", "labels"]
+
+
+def _t5() -> tuple[nn.Module, tuple, list[str]]:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+                   attn_implementation="eager")  # torch 2.13 cannot export T5's sdpa path
+    ids = _ids(96)
+    return Seq2Seq(T5ForConditionalGeneration(cfg)), (ids, torch.ones_like(ids), _ids(96, 1)), [
+        "input_ids", "attention_mask", "labels"]
+
+
+def _llama() -> tuple[nn.Module, tuple, list[str]]:
+    module, batch, names = zoo.build("llama")
+    return module, batch, names
+
+
+def _encoder() -> tuple[nn.Module, tuple, list[str]]:
+    ids = _ids(8, 0)
+    return EncoderLM(), (ids, ids.clone()), ["input_ids", "labels"]
+
+
+FRESH: dict[str, Callable[[], tuple[nn.Module, tuple, list[str]]]] = {
+    "gpt2": _gpt2, "bert": _bert, "t5": _t5, "llama": _llama, "transformer_encoder": _encoder}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FRESH))
+def test_fresh_default_export_trains_every_parameter(name: str, tmp_path: Path) -> None:
+    if name != "transformer_encoder":
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    module, batch, names = FRESH[name]()
+    assert_trains_like_torch(module, batch, names, tmp_path / f"{name}.onnx")
+
+
+# ---- merged calls (issue 35 section 1) -----------------------------------------------------
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J / GPT-NeoX style: x + attn(ln_1(x)) + mlp(ln_2(x)). Fresh, ln_1 and ln_2 are equal
+    (ones, zeros) and read the same x: onnxscript's CSE merges the two LayerNorm calls."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln_1(x)
+        return x + self.attn(h, h, h, need_weights=False)[0] + self.mlp(self.ln_2(x))
+
+
+class ParallelLM(nn.Module):
+    def __init__(self, layers: int = 2, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.h = nn.ModuleList(ParallelBlock(dim) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        for block in self.h:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def test_fresh_parallel_residual_block_gets_torch_gradients(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = ParallelLM()
+    ids = _ids(8, 0)
+    path = tmp_path / "parallel.onnx"
+    got = assert_trains_like_torch(module, (ids, ids.clone()), ["input_ids", "labels"], path)
+    # the merge happened in the export (else this test proves nothing) and was split back
+    graph = onnx.load(str(path), load_external_data=False).graph
+    norms = [n for n in graph.node if n.op_type == "LayerNormalization"]
+    assert len(norms) == 3, "the exporter no longer merges ln_1 and ln_2: the test needs a new model"
+    assert {"h.0.ln_2.weight", "h.0.ln_2.bias", "h.1.ln_2.weight", "h.1.ln_2.bias"} <= set(got)
+
+
+def test_merged_call_without_a_lost_module_stays_merged(tmp_path: Path) -> None:
+    """One module applied twice to one input: the calls merge, and no torch parameter is lost,
+    so nothing is split (the merged node's gradient is torch's: both uses of one parameter)."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(16)
+            self.a, self.b = nn.Linear(16, 4), nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.a(self.ln(x)) + self.b(self.ln(x)), y)
+
+    torch.manual_seed(0)
+    got = assert_trains_like_torch(Twice(), (torch.randn(8, 16), torch.randn(8, 4)), ["x", "y"],
+                                   tmp_path / "twice.onnx")
+    assert not any("@merged" in name for name in got)
+
+
+# ---- zero biases (issue 34 section 4) ------------------------------------------------------
+
+
+class ZeroBiasConvs(nn.Module):
+    """Conv1d, grouped Conv2d, ConvTranspose2d (groups) and a 2-D Linear (Gemm), every bias
+    zero as many initialisations leave them; onnxscript's RemoveOptionalBiasFrom* drop them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(4, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.ct = nn.ConvTranspose2d(8, 6, 2, stride=2, groups=2)
+        self.fc = nn.Linear(6, 3)
+        for module in (self.c1, self.c2, self.ct, self.fc):
+            nn.init.zeros_(module.bias)
+
+    def forward(self, x, labels):
+        h = torch.tanh(self.c1(x))  # [B, 8, 16]
+        h = torch.tanh(self.c2(h.reshape(-1, 8, 4, 4)))
+        h = torch.tanh(self.ct(h)).mean((2, 3))
+        return F.cross_entropy(self.fc(h), labels)
+
+
+def test_zero_biases_dropped_by_the_optimizer_are_trained(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = ZeroBiasConvs()
+    batch = (torch.randn(3, 4, 16), torch.tensor([0, 2, 1]))
+    path = tmp_path / "convs.onnx"
+    got = assert_trains_like_torch(module, batch, ["x", "labels"], path)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    kept = {i.name for i in graph.initializer}
+    assert not {"c1.bias", "c2.bias", "ct.bias", "fc.bias"} & kept, "the exporter kept a zero bias"
+    assert {"c1.bias", "c2.bias", "ct.bias", "fc.bias"} <= set(got)
+    rows = {r.name: r for r in gradgraph.list_weights(str(path))}
+    assert rows["ct.bias"].trained and "RemoveOptionalBiasFromConvTranspose" in rows["ct.bias"].reason
