@@ -97,11 +97,11 @@ def test_cnn_with_batch_norm_trains_like_pytorch():
 def test_cnn_trains_like_pytorch_with_batch_norm_decomposed(monkeypatch):
     """The graph a CUDA device gets (onnxruntime's CUDA provider has no training-mode
     BatchNormalization kernel: DecomposeTrainingBatchNormPass), run on the CPU."""
-    from gradgraph.torch import ortmodule
+    from gradgraph.torch import engine
     from passes.kernels import DecomposeTrainingBatchNormPass
 
     made = []
-    monkeypatch.setattr(ortmodule, "device_rewrites",
+    monkeypatch.setattr(engine, "device_rewrites",
                         lambda device: made.append(device) or [DecomposeTrainingBatchNormPass()])
     _train_on_one_graph("cnn", 10, "adamw")
     assert made, "the engine did not ask for the device's rewrites"

@@ -98,7 +98,7 @@ def main() -> None:
         parser.error("--top-nodes must be >= 0")
     import torch
 
-    from gradgraph.torch import ORTModule, ortmodule
+    from gradgraph.torch import ORTModule, runner
 
     if not (PEER / "models_def.py").exists():
         sys.exit(f"peer material not found at {PEER} (set GRADGRAPH_PEER_DIR)")
@@ -115,7 +115,7 @@ def main() -> None:
 
     folder = tempfile.mkdtemp(prefix="gradgraph_profile_")
     sessions: list[tuple[Any, Any]] = []
-    make = ortmodule.inference_session
+    make = runner.inference_session
 
     def profiled(model: Any, opts: Any, *rest: Any, **kw: Any) -> Any:
         opts.enable_profiling = True
@@ -124,7 +124,7 @@ def main() -> None:
         sessions.append((session, model))
         return session
 
-    ortmodule.inference_session = profiled  # ORTModule's sessions, profiled
+    runner.inference_session = profiled  # ORTModule's sessions, profiled
     for name in args.models.split(","):
         sessions.clear()
         torch.manual_seed(0)
