@@ -83,12 +83,21 @@ class IODescription:
         self.name, self.shape, self.dtype, self.num_classes = name, list(shape), dtype, num_classes
         self.is_loss = is_loss
 
+    # the legacy trainer's attribute names (onnxruntime.capi.ort_trainer.IODescription)
+    name_ = property(lambda self: self.name)
+    shape_ = property(lambda self: self.shape)
+    dtype_ = property(lambda self: self.dtype)
+    num_classes_ = property(lambda self: self.num_classes)
+
 
 class ModelDescription:
     """``ModelDescription(inputs, outputs)`` parsed from ORTTrainer's ``model_desc`` dict."""
 
     def __init__(self, inputs: list[IODescription], outputs: list[IODescription]) -> None:
         self.inputs, self.outputs = inputs, outputs
+
+    inputs_ = property(lambda self: self.inputs)  # the legacy trainer's names
+    outputs_ = property(lambda self: self.outputs)
 
     @property
     def loss(self) -> str:
@@ -154,6 +163,13 @@ def _get(options: ORTTrainerOptions, path: str) -> Any:
     return value
 
 
+def _dtype_name(dtype: Any) -> str:
+    """A torch or numpy dtype (or its name) as numpy's name: ``float32``, ``int64``."""
+    if isinstance(dtype, torch.dtype):
+        return str(torch.empty((), dtype=dtype).numpy().dtype) if dtype != torch.bfloat16 else "bfloat16"
+    return str(np.dtype(dtype))
+
+
 def _names_by_tensor(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, list[str]]:
     """Each tensor's names (a tied weight has several), by the tensor's identity."""
     names_of: dict[int, list[str]] = {}
@@ -200,6 +216,7 @@ class ORTTrainer:
         self._onnx_model: onnx.ModelProto | None = None
         self._pending: Callable[[], None] | None = None  # a state load waiting for the session
         self._static_dims: dict[str, dict[int, int]] = {}
+        self._input_sizes: dict[str, int] = {}  # symbolic dimension -> its size in the last feeds
         self._torch_names: dict[str, str] = {}  # ONNX weight name -> torch state_dict name
         # the norms whose num_batches_tracked a training step counts, for the session built
         self._counted: tuple[TrainingSession, list[Any]] | None = None
@@ -221,6 +238,7 @@ class ORTTrainer:
         available = ort.get_available_providers()
         if device == "cpu" or (not self.options.was_set("device.id") and
                                "CUDAExecutionProvider" not in available):
+            self._check_provider_options("CPUExecutionProvider")
             return ["CPUExecutionProvider"], None
         if device == "cuda" or device.startswith("cuda:"):
             index = device.partition(":")[2] or "0"
@@ -233,8 +251,23 @@ class ORTTrainer:
             if self.options.device.mem_limit:
                 opts["gpu_mem_limit"] = self.options.device.mem_limit
             opts.update(self.options.provider_options.get("CUDAExecutionProvider", {}))
+            self._check_provider_options("CUDAExecutionProvider")
             return ["CUDAExecutionProvider", "CPUExecutionProvider"], [opts, {}]
         raise ValueError(f"ORTTrainerOptions 'device.id'={device!r}: write 'cpu', 'cuda' or 'cuda:N'")
+
+    def _check_provider_options(self, used: str) -> None:
+        """``provider_options`` apply to the provider the device uses (CUDA's are passed on);
+        onnxruntime's CPU provider takes none (it drops them unread), another provider's would
+        never be read: refused, named."""
+        for provider, values in self.options.provider_options.items():
+            where = f"ORTTrainerOptions 'provider_options.{provider}'"
+            if provider == "CPUExecutionProvider" and values:
+                raise ValueError(f"{where}={values!r}: onnxruntime's CPU provider takes no provider "
+                                 "options (it ignores them); set threads and the memory arena through "
+                                 "'session_options' (an onnxruntime.SessionOptions)")
+            if provider not in (used, "CPUExecutionProvider"):
+                raise ValueError(f"{where}: device.id={self.options.device.id!r} runs on {used}; "
+                                 f"options of {provider} would not be used (remove them, or set device.id)")
 
     def _check_onnx(self, model: onnx.ModelProto) -> onnx.ModelProto:
         inits = {i.name for i in model.graph.initializer}
@@ -248,8 +281,48 @@ class ORTTrainer:
         if missing:
             raise ValueError(f"model_desc outputs {missing} are not outputs of the ONNX model "
                              f"(it has {outputs})")
+        order = sorted(self.model_desc.outputs, key=lambda o: outputs.index(o.name))
+        if order != self.model_desc.outputs:
+            raise ValueError(f"model_desc outputs {[o.name for o in self.model_desc.outputs]} must be in "
+                             f"the ONNX model's order: {[o.name for o in order]}")
+        declared = {o.name: o.type.tensor_type for o in model.graph.output}
+        self._check_output_shapes([
+            [d.dim_value if d.HasField("dim_value") else None for d in declared[o.name].shape.dim]
+            if declared[o.name].HasField("shape") else None for o in self.model_desc.outputs],
+            "the ONNX model declares", {})
         self._torch_names = {n: n for n in inits}
         return model
+
+    def _check_output_shapes(self, shapes: Sequence[Sequence[int | None] | None], source: str,
+                             sizes: Mapping[str, int]) -> None:
+        """Each model_desc output against the shape ``source`` gives (None: unknown): its rank,
+        its fixed dimensions, and a symbolic one against the size the inputs give that name."""
+        for desc, shape in zip(self.model_desc.outputs, shapes):
+            if shape is None:
+                continue
+            problem = f"rank {len(shape)}" if len(shape) != len(desc.shape) else next((
+                f"axis {axis} is {got}" + (f" where the inputs give {want!r} = {sizes[want]}"
+                                           if isinstance(want, str) else "")
+                for axis, (got, want) in enumerate(zip(shape, desc.shape))
+                if got is not None and (got != want if isinstance(want, int) else
+                                        want in sizes and sizes[want] != got)), None)
+            if problem:
+                shown = [d if d is not None else "?" for d in shape]
+                raise ValueError(f"model_desc output {desc.name!r} has shape {desc.shape}, but {source} "
+                                 f"{shown} ({problem}); describe the output as the model computes it")
+
+    def _check_output_names(self, exported: ExportedCall) -> None:
+        """A model that returns named outputs (a dict, a HuggingFace ModelOutput): a model_desc
+        output named after one of them must sit at its position."""
+        if not exported.reference_outputs:
+            return
+        paths = torch.utils._pytree.tree_flatten_with_path(exported.rebuild(exported.reference_outputs))[0]
+        keys = [getattr(path[-1], "key", None) if path else None for path, _ in paths]
+        for i, desc in enumerate(self.model_desc.outputs):
+            if desc.name in keys and keys.index(desc.name) != i:
+                raise ValueError(f"model_desc output {desc.name!r} is listed at position {i}, but the "
+                                 f"model returns {desc.name!r} at position {keys.index(desc.name)} (its "
+                                 f"outputs in order: {keys}); list model_desc's outputs in that order")
 
     def _export(self, tensors: list[torch.Tensor]) -> onnx.ModelProto:
         assert self._torch_model is not None
@@ -275,6 +348,9 @@ class ORTTrainer:
             combined = " (with loss_fn: the loss, then the model's outputs)" if self.loss_fn else ""
             raise ValueError(f"model_desc lists {len(descs.outputs)} outputs but the model returns "
                              f"{len(exported.output_names)} tensors{combined}; list one per tensor, in order")
+        self._check_output_names(exported)
+        self._check_output_shapes([list(t.shape) for t in exported.reference_outputs], "the model returns",
+                                  self._input_sizes)
         model = ir.from_proto(exported.model)
         values = {v.name: v for v in model.graph.inputs}
         values.update({v.name: v for v in model.graph.outputs})
@@ -322,13 +398,19 @@ class ORTTrainer:
         if fixed:
             self._static_dims[desc.name] = fixed
 
+    def _optimizer_for(self, weights: Sequence[str]) -> _OptimizerConfig:
+        """The optimizer config of the trained ``weights`` (the legacy trainer's per-weight
+        attribute map makes its own, see :mod:`gradgraph.torch.ort_trainer`)."""
+        return self.optim_config
+
     def _config(self) -> TrainingConfig:
-        opts, cfg = self.options, self.optim_config
+        opts = self.options
         trained = [n for n in self._torch_names if n in self._parameter_names()]
         aliases = self._aliases(trained)
         known = [*trained, *aliases]
         self._check_names("utils.frozen_weights", list(opts.utils.frozen_weights), known)
         frozen = [aliases.get(n, n) for n in opts.utils.frozen_weights]
+        cfg = self.optim_config = self._optimizer_for([n for n in trained if n not in frozen])
         for i, group in enumerate(cfg.params):
             self._check_names(f"optim_config params[{i}]['params']", group["params"], known)
         gt = opts.graph_transformer
@@ -511,6 +593,10 @@ class ORTTrainer:
                 elif n != dim:
                     raise ValueError(f"input {desc.name!r} has shape {got}; model_desc says {desc.shape} "
                                      f"(axis {axis} must be {dim})")
+            if desc.dtype is not None and _dtype_name(t.dtype) != _dtype_name(desc.dtype):
+                raise ValueError(f"input {desc.name!r} has dtype {_dtype_name(t.dtype)}; model_desc says "
+                                 f"{_dtype_name(desc.dtype)}")
+        self._input_sizes = {dim: n for dim, (_, n) in sizes.items()}
         feeds = {n: t.detach().cpu().numpy() for n, t in zip(names, tensors)}
         return feeds, tensors
 
@@ -520,11 +606,20 @@ class ORTTrainer:
 
     def train_step(self, *args: Any, **kwargs: Any) -> Any:
         """One step (a micro-step with accumulation); returns model_desc's outputs (one: itself)."""
+        return self._results(self._train(args, kwargs))
+
+    def _train(self, args: tuple, kwargs: dict, lr: float | None = None,
+               before: Callable[[TrainingSession], None] | None = None) -> dict[str, np.ndarray]:
+        """One micro-step at ``lr`` (None: the scheduler's, else the config's); ``before`` sees
+        the session first. Returns every model_desc output by name."""
         feeds, tensors = self._feeds(args, kwargs)
         session = self._ensure(feeds, tensors)
         info = self._train_step_info
-        scheduler = self.options.lr_scheduler
-        lr = scheduler._step(info)[0] if scheduler is not None else self.optim_config.lr
+        if lr is None:
+            scheduler = self.options.lr_scheduler
+            lr = scheduler._step(info)[0] if scheduler is not None else self.optim_config.lr
+        if before is not None:
+            before(session)
         loss = self.model_desc.loss
         _, out = session.train_step(feeds, lr, fetches=[o.name for o in self.model_desc.outputs])
         self._count_batches()
@@ -535,8 +630,8 @@ class ORTTrainer:
             if not info.all_finite and not self.options.mixed_precision.enabled:
                 warnings.warn(f"ORTTrainer: step {info.step}: the loss, gradients or updated weights "
                               f"are not finite (loss {float(np.asarray(out[loss]).reshape(-1)[0])}); "
-                              "the update was skipped", RuntimeWarning, stacklevel=2)
-        return self._results(out)
+                              "the update was skipped", RuntimeWarning, stacklevel=3)
+        return out
 
     def _count_batches(self) -> None:
         """``num_batches_tracked`` of the module's BatchNorms, one more per training forward as
@@ -570,9 +665,12 @@ class ORTTrainer:
 
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """The eval graph (dropout off, BatchNorm inference) on the current weights."""
+        return self._results(self._eval(args, kwargs))
+
+    def _eval(self, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
         feeds, tensors = self._feeds(args, kwargs)
         session = self._ensure(feeds, tensors)
-        return self._results(session.eval_step(feeds, [o.name for o in self.model_desc.outputs]))
+        return session.eval_step(feeds, [o.name for o in self.model_desc.outputs])
 
     # ---- state ------------------------------------------------------------------------------
     def _require(self, what: str) -> TrainingSession | None:
