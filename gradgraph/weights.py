@@ -12,7 +12,8 @@ from gradgraph.io import load_model
 from passes.autodiff import GradientOptions, build_gradient
 from passes.exports import KIND_KEY, REASON_KEY, WeightKind
 from passes.exports.classify import FLOATS
-from passes.exports.recover import LOST_KEY, REEXPORT_HINT
+from passes.exports.recover import LOST_KEY, REEXPORT_HINT, UNREAD_KEY
+from passes.exports.refusal import UNREAD_REASON
 from passes.forward.prepare import PrepareForGradientPass
 
 
@@ -31,7 +32,8 @@ def list_weights(model: Any, loss: str | None = None) -> list[WeightInfo]:
     """Classify every float initializer of ``model`` (path, bytes, ModelProto, onnx_ir.Model or
     ONNXProgram). ``trained`` is the default trained set: parameters that reach ``loss``
     (every parameter when ``loss`` is None). Parameters the exporter folded irreversibly are
-    listed too, with no shape, untrained."""
+    listed too, with no shape, untrained, and so are torch parameters the export does not hold
+    and no node reads (unused, tied to another, or removed as ``x*1``)."""
     forward = PrepareForGradientPass(strict_parameters=False)(load_model(model)).model
     reaching: set[str] | None = None
     if loss is not None:
@@ -56,6 +58,8 @@ def list_weights(model: Any, loss: str | None = None) -> list[WeightInfo]:
     for name in lost:
         if name not in forward.graph.initializers:
             rows.append(WeightInfo(name, (), "?", 0, WeightKind.PARAMETER.value, False, folded))
+    for name in filter(None, forward.graph.metadata_props.get(UNREAD_KEY, "").split(",")):
+        rows.append(WeightInfo(name, (), "?", 0, WeightKind.PARAMETER.value, False, UNREAD_REASON))
     return rows
 
 
@@ -71,7 +75,7 @@ def format_weights(rows: list[WeightInfo]) -> str:
     gone = len(rows) - len(present)
     lines.append(f"{len(trained)} trained ({sum(r.nbytes for r in trained):,} bytes) of {len(present)} "
                  f"float initializers ({sum(r.nbytes for r in present):,} bytes)"
-                 + (f"; {gone} parameter(s) folded away by the exporter" if gone else ""))
+                 + (f"; {gone} torch parameter(s) not in the export (see their reasons)" if gone else ""))
     return "\n".join(lines)
 
 

@@ -27,6 +27,8 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import gradgraph  # noqa: E402
+from gradgraph.cli.main import main as cli_main  # noqa: E402
+from passes.exports.refusal import SHOWN  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 VOCAB, BATCH = 64, 2
@@ -303,3 +305,105 @@ def test_zero_biases_dropped_by_the_optimizer_are_trained(tmp_path: Path) -> Non
     assert {"c1.bias", "c2.bias", "ct.bias", "fc.bias"} <= set(got)
     rows = {r.name: r for r in gradgraph.list_weights(str(path))}
     assert rows["ct.bias"].trained and "RemoveOptionalBiasFromConvTranspose" in rows["ct.bias"].reason
+
+
+def test_calls_merged_into_one_of_several_lost_modules_get_documented_names(tmp_path: Path) -> None:
+    """Three LayerNorms of one input in modules no path tells apart: the two merged calls get
+    their own parameters named '<survivor parameter>@merged:<call>' with a warning, and
+    torch's gradients (each clone serves the consumers of its own call)."""
+
+    class Fan(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln_a, self.ln_b, self.ln_c = nn.LayerNorm(16), nn.LayerNorm(16), nn.LayerNorm(16)
+            self.fa, self.fb, self.fc = nn.Linear(16, 4), nn.Linear(16, 4), nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.fa(self.ln_a(x)) * self.fb(self.ln_b(x)) + self.fc(self.ln_c(x)), y)
+
+    torch.manual_seed(0)
+    module = Fan()
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    path = export_default(module, batch, ["x", "y"], tmp_path / "fan.onnx")
+    with pytest.warns(UserWarning, match=r"merged torch call %layer_norm_1 .*ln_b.*ln_c.*optimize=False"):
+        _, got = gradgraph_grads(path, {"x": batch[0].numpy(), "y": batch[1].numpy()})
+    _, want = zoo.torch_loss_and_grads(module, batch)
+    for call, owner in (("layer_norm_1", "ln_b"), ("layer_norm_2", "ln_c")):
+        for leaf in ("weight", "bias"):
+            name = f"ln_a.{leaf}@merged:{call}"
+            assert close(got[name], want[f"{owner}.{leaf}"]) is None, name
+    assert close(got["ln_a.weight"], want["ln_a.weight"]) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = {r.name: r for r in gradgraph.list_weights(str(path))}
+    assert "merged into %layer_norm" in rows["ln_a.bias@merged:layer_norm_2"].reason
+    assert not rows["ln_b.weight"].trained and "no node reads it" in rows["ln_b.weight"].reason
+
+
+# ---- refusals ------------------------------------------------------------------------------
+
+
+class Tables(nn.Module):
+    """Eight learned position tables read at positions the model makes itself (``t[:8]``):
+    onnxscript folds each to the rows read, and the other rows are not in the file."""
+
+    def __init__(self, count: int = 8) -> None:
+        super().__init__()
+        self.tables = nn.ParameterList(nn.Parameter(torch.randn(32, 4)) for _ in range(count))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        h = x
+        for table in self.tables:
+            h = h + table[: x.shape[1]]
+        return F.mse_loss(self.fc(h), y)
+
+
+def test_a_refusal_names_a_few_parameters_and_counts_the_rest(tmp_path: Path, capsys) -> None:
+    torch.manual_seed(0)
+    batch = (torch.randn(2, 8, 4), torch.randn(2, 8, 4))
+    path = export_default(Tables(), batch, ["x", "y"], tmp_path / "tables.onnx")
+    with pytest.raises(gradgraph.GradientError) as raised:
+        gradgraph.build_gradient_graph(str(path), loss="loss")
+    message = str(raised.value)
+    names = [f"tables.{i}" for i in range(8)]
+    assert sum(f"'{n}'" in message for n in names) == SHOWN, message
+    assert f"and {8 - SHOWN} more" in message and "--list-weights" in message
+    assert "optimize=False" in message and "as a model input" in message
+    assert "other exporter" not in message
+    assert sorted(raised.value.parameters) == names  # type: ignore[attr-defined]
+    # the CLI prints it on one line and exits 2; --list-weights of the same command lists all
+    np.savez(tmp_path / "d.npz", x=batch[0].numpy(), y=batch[1].numpy())
+    train = ["train", str(path), "--loss", "loss", "--data", str(tmp_path / "d.npz"), "--steps", "1",
+             "--batch-size", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    assert cli_main(train) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"and {8 - SHOWN} more" in err
+    assert cli_main(train + ["--list-weights"]) == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in names) and "not in the export" in out
+
+
+def test_a_model_without_a_loss_is_told_to_compute_it_in_forward(tmp_path: Path, capsys) -> None:
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    path = tmp_path / "logits.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Logits(), (x,), str(path), input_names=["x"], output_names=["logits"])
+    np.savez(tmp_path / "d.npz", x=x.numpy())
+    assert cli_main(["train", str(path), "--loss", "logits", "--data", str(tmp_path / "d.npz"),
+                     "--steps", "1", "--batch-size", "2", "--checkpoint-dir", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    first = min(err.index(hint) for hint in ("--reduce", "reduce it", "seed_from_input"))
+    assert 0 <= err.find("compute the loss in the model's forward") < first, err
+    assert cli_main(["grad", str(path), "--loss", "loss", "-o", str(tmp_path / "g.onnx")]) == 2
+    assert "compute the loss in the model's forward" in capsys.readouterr().err

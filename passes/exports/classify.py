@@ -4,8 +4,9 @@ The mark goes on the value's ``metadata_props`` (``KIND_KEY``, with a human reas
 ``REASON_KEY``); the gradient engine's default trained set is the values marked parameter.
 
 With a torch export signature (dynamo exports):
-1. the signature's PARAMETERs (and parameters recovered by ``RecoverParametersPass``) are
-   parameters; its BUFFERs and lifted constants are buffers;
+1. the signature's PARAMETERs (and parameters recovered by ``RecoverParametersPass``, also
+   a merged call's copies named ``<parameter>@merged:<call>``) are parameters; its BUFFERs and
+   lifted constants are buffers;
 2. every other initializer is an exporter constant (folded values, masks, tables, scalars).
 
 Without one (legacy exports, other producers), in this order:
@@ -78,6 +79,8 @@ def _rule_with_signature(value: ir.Value, signature: TorchSignature) -> tuple[We
         return WeightKind.PARAMETER, f"torch parameter ({recovered})" if recovered else "torch parameter"
     if name in signature.buffers:
         return WeightKind.BUFFER, "torch buffer"
+    if recovered:  # a merged call's own copy that no torch name could be derived for
+        return WeightKind.PARAMETER, f"torch parameter without a torch name ({recovered})"
     if folded_from(value):
         return WeightKind.CONSTANT, "exporter constant (folded by the exporter's optimizer)"
     return WeightKind.CONSTANT, "exporter constant"
