@@ -77,6 +77,9 @@ class _OptimizerConfig:
             if "lr" in group:
                 raise ValueError(f"{where}: 'lr' is not supported inside a parameter group (as in "
                                  "onnxruntime-training); use one lr, or a scheduler")
+            if "max_norm_clip" in group:  # one threshold on the global norm: not per group
+                raise ValueError(f"{where}: 'max_norm_clip' is the threshold of the global gradient "
+                                 f"norm, one for all weights; set it as {owner}(max_norm_clip=...)")
             unknown = [k for k in group if k != "params" and k not in self._hyper]
             if unknown:
                 raise ValueError(f"{where} has {unknown} which {owner} does not have; its "
