@@ -574,11 +574,15 @@ def test_training_parameters_adam_decay_is_decoupled_as_in_onnxruntime():
 
     params = TrainingParameters()
     params.loss_output_name = "loss"
-    params.optimizer_attributes_map = {"w": {"lambda": 0.01}}
-    assert params.to_config().optimizer == AdamWConfig(weight_decay=0.01)
+    params.optimizer_attributes_map = {"w": {"lambda": 0.01}}  # weight "w" only (issue 35)
+    config = params.to_config()
+    assert config.optimizer == AdamWConfig(weight_decay=0.0)
+    assert [(g.patterns, dict(g.overrides)) for g in config.update.groups] == [(("w",), {"weight_decay": 0.01})]
     params.optimizer_attributes_map = {}
     params.optimizer_int_attributes_map = {"w": {"weight_decay_mode": 1}}
-    assert params.to_config().optimizer == AdamWConfig(weight_decay=0.0, decay_after_update=True)
+    config = params.to_config()
+    assert config.optimizer == AdamWConfig(weight_decay=0.0)
+    assert [dict(g.overrides) for g in config.update.groups] == [{"decay_after_update": True}]
 
 
 def test_mixed_precision_trains_with_a_dynamic_loss_scale():

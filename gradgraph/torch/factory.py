@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,7 +106,10 @@ class TorchOrtFactory:
         if unknown:
             raise ValueError(f"TorchOrtFactory: output_names {unknown} are not graph outputs (outputs: {outputs})")
         if graph_builder_config is not None:
-            logger.info("TorchOrtFactory: graph_builder_config is onnxruntime-training's and is ignored")
+            warnings.warn("TorchOrtFactory: graph_builder_config is onnxruntime-training's "
+                          "OrtModuleGraphBuilderConfiguration and is ignored: gradgraph builds "
+                          "the gradient of every float input and weights_to_train", UserWarning,
+                          stacklevel=2)
         self.onnx_model = proto
         self.weights_to_train = list(weights_to_train)
         self.class_name = class_name or f"TorchOrtFunction_{id(self)}"
@@ -119,20 +123,40 @@ class TorchOrtFactory:
             raise ValueError(f"TorchOrtFactory: device_index must be an integer >= 0 (the CUDA "
                              f"device); got {device_index!r}")
         self.run_options = run_options
-        # The device of GPU providers given without provider options (CPU ignores it).
+        # The device of the GPU providers (their provider options' device_id when not given).
         self.device_index = device_index
+        self._check_device_index()
 
     def __repr__(self) -> str:
         return (f"TorchOrtFactory(weights_to_train={self.weights_to_train!r}, input_names="
                 f"{self.input_names!r}, output_names={self.output_names!r}, class_name={self.class_name!r})")
 
+    def _check_device_index(self) -> None:
+        """A device_index that would select nothing is refused: no GPU provider, or GPU provider
+        options that name another device_id."""
+        if self.device_index == 0:
+            return
+        names = provider_names(self.providers)
+        if not any(n in GPU_PROVIDERS for n in names):
+            raise ValueError(f"TorchOrtFactory: device_index={self.device_index} selects the device of "
+                             f"a GPU provider ({', '.join(GPU_PROVIDERS)}); the providers {names} have "
+                             "none: leave device_index at 0 or add the GPU provider")
+        for name, opts in zip(names, self.provider_options or []):
+            given = (opts or {}).get("device_id")
+            if name in GPU_PROVIDERS and given is not None and str(given) != str(self.device_index):
+                raise ValueError(f"TorchOrtFactory: device_index={self.device_index} and {name}'s "
+                                 f"provider_options device_id={given!r} name different devices; give one")
+
     def _provider_options(self) -> Sequence[dict] | None:
-        """The given provider options, else ``device_id = device_index`` for GPU providers, and
+        """The given provider options (GPU providers get ``device_id = device_index`` where they
+        do not name one), else ``device_id = device_index`` for GPU providers, and
         for CUDA TF32 exactly when torch allows it for its float32 matrix products
         (``torch.backends.cuda.matmul.allow_tf32``, off by default; onnxruntime's default is on)."""
-        if self.provider_options is not None:
-            return self.provider_options
         names = provider_names(self.providers)
+        if self.provider_options is not None:
+            return [{"device_id": str(self.device_index), **(opts or {})}
+                    if n in GPU_PROVIDERS and self.device_index != 0 else opts
+                    for n, opts in zip(names, self.provider_options)]
         if not any(n in GPU_PROVIDERS for n in names):
             return None
         return [{"device_id": str(self.device_index),

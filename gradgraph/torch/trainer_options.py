@@ -13,7 +13,9 @@ gradgraph's departures, where the reference's value cannot apply:
 - ``_internal_use.onnx_opset_version`` defaults to 18 and accepts up to the newest opset onnx
   ships (the dynamo exporter writes opset 18 and above; the reference allowed 12-14);
 - ``graph_transformer.propagate_cast_ops_config`` takes the keys ``strategy`` / ``level`` /
-  ``allow`` (the documented names) and their long forms ``propagate_cast_ops_*``.
+  ``allow`` (the documented names) and their long forms ``propagate_cast_ops_*`` (the schema's
+  own names), given or read: ``opts.graph_transformer.propagate_cast_ops_config.level`` and
+  ``....propagate_cast_ops_level`` are the same value.
 """
 
 from __future__ import annotations
@@ -200,6 +202,10 @@ def _validate(path: str, schema: dict[str, Any], given: Any) -> dict[str, Any]:
         raise ValueError(f"ORTTrainerOptions: {path or 'options'!r} has a key that is not a string: "
                          f"{bad_keys[0]!r}")
     aliases = _ALIASES.get(path, {})
+    both = [k for k in given if k in aliases and aliases[k] in given]
+    if both:
+        raise ValueError(f"ORTTrainerOptions: {path}.{both[0]} and {path}.{aliases[both[0]]} are "
+                         f"the same option; give one")
     given = {aliases.get(k, k): v for k, v in given.items()}
     fields = schema["schema"]
     for key in given:
@@ -230,6 +236,7 @@ class _Group:
 
     def __getattr__(self, name: str) -> Any:
         values = self.__dict__.get("_values")
+        name = _ALIASES.get(self.__dict__.get("_path", ""), {}).get(name, name)  # a long form
         if values is None or name not in values:
             raise AttributeError(f"ORTTrainerOptions has no option "
                                  f"{(self.__dict__.get('_path', '') + '.' + name).lstrip('.')!r}")
@@ -267,8 +274,15 @@ class ORTTrainerOptions(_Group):
     def was_set(self, path: str) -> bool:
         """Whether the user gave ``path`` (a dotted key) rather than leaving its default."""
         node: Any = self._given
+        where = ""
         for part in path.split("."):
-            if not isinstance(node, Mapping) or part not in node:
+            if not isinstance(node, Mapping):
                 return False
-            node = node[part]
+            names = {part, *(k for k, v in _ALIASES.get(where, {}).items() if part in (k, v)),
+                     _ALIASES.get(where, {}).get(part, part)}
+            found = [n for n in names if n in node]
+            if not found:
+                return False
+            node = node[found[0]]
+            where = f"{where}.{part}".lstrip(".")
         return True

@@ -327,11 +327,31 @@ def _check_pass_names(config: TrainingConfig, model: ir.Model) -> None:
 
 
 def _warn_unmatched_groups(config: TrainingConfig, trained: Sequence[str]) -> None:
-    for index, group in enumerate(config.update.groups):
+    """A group that matches no trained weight warns (one that names its weight exactly, from
+    TrainingParameters' optimizer maps, is refused); a weight two groups match warns that the
+    first one applies."""
+    groups = config.update.groups
+    for index, group in enumerate(groups):
         if not any(group.matches(w) for w in trained):
+            source, weight = getattr(group, "source", ""), getattr(group, "weight", "")
+            if source and weight:
+                raise GradientError(f"{source} names {weight!r}, which is no trained weight"
+                                    f"{close_matches(weight, trained)}; trained weights: {_few(trained)}")
             warnings.warn(f"parameter group {index} {list(group.patterns)} matches no trained weight; its "
                           f"settings apply to nothing (trained weights: {_few(trained)})", UserWarning,
                           stacklevel=3)
+    overlaps: dict[tuple[int, int], list[str]] = {}
+    for weight in trained:
+        hits = [i for i, g in enumerate(groups) if g.matches(weight)]
+        if len(hits) > 1:
+            overlaps.setdefault((hits[0], hits[1]), []).append(weight)
+    for (first, second), weights in overlaps.items():
+        warnings.warn(f"weights {_few(weights)} match parameter group {first} "
+                      f"{list(groups[first].patterns)} and group {second} "
+                      f"{list(groups[second].patterns)}: the first group that matches applies "
+                      f"(group {first}'s {dict(groups[first].overrides)}, lr_scale "
+                      f"{groups[first].lr_scale}); group {second} is ignored for them",
+                      UserWarning, stacklevel=3)
 
 
 def _few(names: Sequence[str], limit: int = 6) -> str:

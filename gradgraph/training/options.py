@@ -146,6 +146,12 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if dataclasses.is_dataclass(self.optimizer) and isinstance(self.update, UpdateOptions):
             check_groups(self.optimizer, self.update.groups)  # a misspelled override, named
+        if isinstance(self.update, UpdateOptions) and self.update.loss_scale is not None:
+            # the loss is scaled by the mixed-precision build only: the update would unscale
+            # gradients that were never scaled (or the mixed-precision scaler would replace it)
+            raise ValueError("TrainingConfig: update.loss_scale is set by mixed precision; give the "
+                             "scaler as mixed_precision=MixedPrecisionConfig('float16', "
+                             "loss_scaler=LossScaleSettings(...)) and leave update.loss_scale None")
 
     def optimizer_settings(self) -> OptimizerSettings:
         update = self.update

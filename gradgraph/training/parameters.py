@@ -13,13 +13,17 @@ Properties that gradgraph implements are turned into a :class:`TrainingConfig` b
 - the three ``model_*_path`` properties (and the extension
   ``model_with_training_graph_after_optimization_path``) -> ``debug.graph_save_paths``.
 
-Those that ask for something not implemented (distributed or pipeline training, fp16
-moments, the memory-efficient LayerNorm gradient) raise ``NotImplementedError`` naming the
-property, instead of being ignored.
+Those that ask for something not implemented here (pipeline or tensor parallelism and its
+``sliced_*`` tensors, fp16 moments, the memory-efficient LayerNorm gradient) raise
+``NotImplementedError`` naming the property, instead of being ignored; the data-parallel ones
+(``world_size``, ``data_parallel_size``, ``deepspeed_zero_stage``, ...) say how to run data
+parallel instead (one process per rank with ``DistributedConfig``).
 
 Optimizer names: the reference's ``SGDOptimizer``, ``AdamOptimizer``, ``LambOptimizer``, or
 gradgraph's ``sgd``, ``adam``, ``adamw``, ``lamb``. ``optimizer_attributes_map`` maps a weight
-name to float attributes; the reference's keys ``alpha`` (beta1), ``beta`` (beta2),
+name to float attributes, ``{weight_name: {attribute: value}}``; they change that weight's
+updates only (the others keep the optimizer's defaults), and a name that is no trained weight
+is refused by the build. The reference's keys ``alpha`` (beta1), ``beta`` (beta2),
 ``lambda`` (weight decay) and ``epsilon`` are translated, gradgraph field names pass through.
 ``optimizer_int_attributes_map`` accepts ``do_bias_correction`` (LAMB) and
 ``weight_decay_mode`` (Adam's weight decay ``lambda`` is decoupled as in onnxruntime: mode 0
@@ -32,6 +36,9 @@ a gradgraph extension defaulting to 1.0) applies to Adam and LAMB, not SGD.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -67,7 +74,32 @@ _UNSUPPORTED = {
     "pipeline_parallel_size": 1, "num_pipeline_micro_batches": 1, "deepspeed_zero_stage": 0,
     "enable_adasum": False, "allreduce_post_accumulation": False,
     "use_memory_efficient_gradient": False, "pipeline_cut_info_string": "",
+    "sliced_schema": {}, "sliced_axes": {}, "sliced_tensor_names": [],
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightAttributes(ParamGroup):
+    """The attributes the optimizer maps give one weight: an exact name that must be a trained
+    weight (the build refuses it otherwise, naming ``source``)."""
+
+    weight: str = ""
+    source: str = "TrainingParameters.optimizer_attributes_map / optimizer_int_attributes_map"
+
+
+_DATA_PARALLEL = ("data-parallel training runs one process per rank: `gradgraph train MODEL ... "
+                  "--nproc N` on the command line, or, under torchrun, TrainingSession(model, "
+                  "params, distributed=DistributedConfig.from_env()) from "
+                  "gradgraph.training.distributed; TrainingParameters describes one rank")
+_PARALLEL_HINT = {"world_size": _DATA_PARALLEL, "world_rank": _DATA_PARALLEL,
+                  "data_parallel_size": _DATA_PARALLEL,
+                  "deepspeed_zero_stage": "ZeRO stage 1 is DistributedConfig(zero_stage=1) of "
+                                          "gradgraph.training.distributed (data parallel)",
+                  "allreduce_post_accumulation": "it is DistributedConfig(allreduce_post_"
+                                                 "accumulation=True) of gradgraph.training.distributed",
+                  "sliced_schema": "pipeline-parallel tensor slicing is not implemented",
+                  "sliced_axes": "pipeline-parallel tensor slicing is not implemented",
+                  "sliced_tensor_names": "pipeline-parallel tensor slicing is not implemented"}
 
 
 def _strategy(value: Any) -> CastStrategy:
@@ -105,9 +137,8 @@ class TrainingParameters:
         self.number_recompute_layers = 0
         self.use_mixed_precision = False
         self.loss_scale = 0.0
-        self.sliced_schema: dict[str, list[int]] = {}
-        self.sliced_axes: dict[str, int] = {}
-        self.sliced_tensor_names: list[str] = []
+        # "warn" or "error": a recompute property that recomputes nothing (RecomputeOptions).
+        self.recompute_nothing_recomputed = "warn"
         # gradgraph extensions
         self.max_grad_norm = DEFAULT_MAX_GRAD_NORM
         self.propagate_cast_ops_strategy = "FLOOD_FILL"
@@ -115,10 +146,12 @@ class TrainingParameters:
         self.model_with_training_graph_after_optimization_path = ""
         # Recompute planner: bytes of activations kept for the backward (None: planner off).
         self.recompute_memory_budget: int | None = None
+        # Sizes of symbolic dims for the planner's byte counts ({"batch": 8}; CLI --dim).
+        self.recompute_dims: dict[str, int] = {}
         self.param_groups: tuple[ParamGroup, ...] = ()
         self.optimizer_initial_state: dict[str, dict[str, np.ndarray]] = {}
-        for name, off in _UNSUPPORTED.items():
-            setattr(self, name, off)
+        for name, off in _UNSUPPORTED.items():  # a fresh {} / [] each (never the table's own)
+            setattr(self, name, type(off)(off) if isinstance(off, (dict, list)) else off)
         self._sealed = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -135,53 +168,84 @@ class TrainingParameters:
 
     def _check_supported(self) -> None:
         for name, off in _UNSUPPORTED.items():
-            if getattr(self, name) != off:
-                raise NotImplementedError(
-                    f"TrainingParameters.{name}={getattr(self, name)!r} is not supported by "
-                    f"gradgraph yet (leave it at {off!r}); "
-                    + ("fp16 optimizer moments are not implemented (moments stay fp32)"
-                       if "fp16" in name else "the memory-efficient LayerNorm gradient is not "
-                       "implemented" if "memory_efficient" in name
-                       else "only single-process training is implemented"))
+            value = getattr(self, name)
+            if value == off:
+                continue
+            if name in _PARALLEL_HINT and "slic" not in name:
+                raise NotImplementedError(f"TrainingParameters.{name}={value!r}: "
+                                          f"{_PARALLEL_HINT[name]} (leave {name} at {off!r})")
+            why = ("fp16 optimizer moments are not implemented (moments stay fp32)" if "fp16" in name
+                   else "the memory-efficient LayerNorm gradient is not implemented"
+                   if "memory_efficient" in name
+                   else _PARALLEL_HINT.get(name, "pipeline and tensor parallelism are not implemented"))
+            raise NotImplementedError(f"TrainingParameters.{name}={value!r} is not supported by "
+                                      f"gradgraph (leave it at {off!r}): {why}")
+
+    def _maps(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """The two optimizer maps, checked to be ``{weight_name: {attribute: value}}``."""
+        maps = []
+        for prop in ("optimizer_attributes_map", "optimizer_int_attributes_map"):
+            value = getattr(self, prop)
+            shape = (f"TrainingParameters.{prop} maps each weight's name to its attributes, "
+                     f"{{weight_name: {{attribute: value}}}}, e.g. {{'fc.weight': "
+                     f"{{{'alpha' if prop == 'optimizer_attributes_map' else 'do_bias_correction'!r}: "
+                     f"{0.9 if prop == 'optimizer_attributes_map' else 1}}}}}")
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{shape}; got a {type(value).__name__}: {value!r}")
+            for weight, attrs in value.items():
+                if not isinstance(weight, str) or not isinstance(attrs, Mapping):
+                    flat = all(not isinstance(v, Mapping) for v in value.values())
+                    raise ValueError(
+                        f"{shape}; got {weight!r}: {attrs!r}"
+                        + (" (a flat map of attributes is not per weight: name each weight to "
+                           "set, or set every weight through TrainingParameters.param_groups = "
+                           "(ParamGroup(('*',), {...}),) with the optimizer's field names)"
+                           if flat else ""))
+            maps.append({w: dict(a) for w, a in value.items()})
+        return maps[0], maps[1]
 
     def _optimizer(self) -> tuple[Any, tuple[ParamGroup, ...]]:
+        """The optimizer's config (its defaults) and one group per weight the maps name: an
+        attribute given for one weight changes that weight's updates only."""
         name = self.training_optimizer_name or "AdamOptimizer"
         key = _REFERENCE_OPTIMIZERS.get(name.lower(), name.lower())
-        ints = {k: v for attrs in self.optimizer_int_attributes_map.values() for k, v in attrs.items()}
-        floats = {k: v for attrs in self.optimizer_attributes_map.values() for k, v in attrs.items()}
-        decay_after = reference_adam = False
+        floats_map, ints_map = self._maps()
         # onnxruntime's AdamOptimizer decays decoupled in both modes: mode 0 in the same step as
         # the update (torch's AdamW), mode 1 after it (HuggingFace's AdamW).
-        if key == "adam" and (ints.get("weight_decay_mode") == 1 or floats.get("lambda", 0.0)):
-            key, decay_after, reference_adam = "adamw", ints.get("weight_decay_mode") == 1, True
+        reference_adam = key == "adam" and (
+            any(a.get("weight_decay_mode") == 1 for a in ints_map.values())
+            or any(a.get("lambda", 0.0) for a in floats_map.values()))
+        if reference_adam:
+            key = "adamw"
         cls = config_type(key)
         fields = {f.name for f in dataclasses.fields(cls)}
+        base = cls(weight_decay=0.0) if reference_adam else cls()  # the reference's lambda: 0
 
-        def translate(attrs: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+        def translate(weight: str, attrs: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
             out = {}
             for k, v in attrs.items():
                 field = aliases.get(k, k)
-                if field in fields:
-                    out[field] = type(getattr(cls(), field))(v)
-                elif k not in ("weight_decay_mode", "max_norm_clip"):
-                    raise ValueError(f"optimizer attribute {k!r} does not apply to {cls.__name__}")
+                if k == "weight_decay_mode":
+                    if key == "adamw":
+                        out["decay_after_update"] = v == 1
+                    continue
+                if k == "max_norm_clip":
+                    raise ValueError(f"optimizer attribute 'max_norm_clip' (weight {weight!r}) is not "
+                                     "per weight in gradgraph: set TrainingParameters.max_grad_norm "
+                                     "(global gradient-norm clipping, with enable_grad_norm_clip)")
+                if field not in fields:
+                    raise ValueError(f"optimizer attribute {k!r} (weight {weight!r}) does not apply "
+                                     f"to {cls.__name__}; its fields are {sorted(fields)}")
+                out[field] = type(getattr(base, field))(v)
             return out
 
-        per_weight = {}
-        for weight in set(self.optimizer_attributes_map) | set(self.optimizer_int_attributes_map):
-            per_weight[weight] = {**translate(self.optimizer_attributes_map.get(weight, {}), _ATTRIBUTE_ALIASES),
-                                  **translate(self.optimizer_int_attributes_map.get(weight, {}), _INT_ALIASES)}
-        # Defaults from the attributes shared by every weight; the rest become exact-name groups.
-        shared = {}
-        if per_weight:
-            first = next(iter(per_weight.values()))
-            shared = {k: v for k, v in first.items() if all(a.get(k) == v for a in per_weight.values())}
-        if reference_adam:  # the reference's lambda defaults to 0, not AdamWConfig's 0.01
-            shared = {"weight_decay": 0.0, "decay_after_update": decay_after, **shared}
-        base = cls(**shared)
-        groups = tuple(ParamGroup((w,), {k: v for k, v in a.items() if shared.get(k) != v})
-                       for w, a in sorted(per_weight.items()) if any(shared.get(k) != v for k, v in a.items()))
-        return base, groups + tuple(self.param_groups)
+        groups = []
+        for weight in sorted(set(floats_map) | set(ints_map)):
+            overrides = {**translate(weight, floats_map.get(weight, {}), _ATTRIBUTE_ALIASES),
+                         **translate(weight, ints_map.get(weight, {}), _INT_ALIASES)}
+            # a group even without overrides: the build refuses a name that is no trained weight
+            groups.append(WeightAttributes((glob.escape(weight),), overrides, weight=weight))
+        return base, tuple(groups) + tuple(self.param_groups)
 
     def _check_values(self) -> None:
         """Names lists are lists of names; the accumulation count is a whole number >= 1."""
@@ -195,8 +259,8 @@ class TrainingParameters:
                                 f"integer (micro-batches per optimizer step), got {steps!r}")
 
     def to_config(self) -> TrainingConfig:
-        self._check_supported()
         self._check_values()
+        self._check_supported()
         if not self.loss_output_name:
             raise ValueError("TrainingParameters.loss_output_name must name the loss output")
         if self.immutable_weights:
@@ -205,6 +269,7 @@ class TrainingParameters:
         optimizer, groups = self._optimizer()
         # The reference clips for Adam and LAMB only.
         clip = self.enable_grad_norm_clip and optimizer.name != "sgd"
+        self._check_inert(clip)
         update = UpdateOptions(
             groups=groups,
             accumulation_steps=int(self.gradient_accumulation_steps),  # checked integral above
@@ -231,6 +296,36 @@ class TrainingParameters:
                 str(self.model_with_training_graph_after_optimization_path or ""))),
         )
 
+    def _check_inert(self, clip: bool) -> None:
+        """A property set to a value that the other properties make meaningless: refused where
+        it can only be a mistake, else a warning naming what it would need."""
+        if self.number_recompute_layers and not self.transformer_layer_recompute:
+            raise ValueError(f"TrainingParameters.number_recompute_layers="
+                             f"{self.number_recompute_layers!r} sets how many transformer layers "
+                             "are recomputed: it needs transformer_layer_recompute = True")
+        inert = []
+        if int(self.propagate_cast_ops_level) < 0 and (
+                self.propagate_cast_ops_allow or str(self.propagate_cast_ops_strategy) != "FLOOD_FILL"):
+            inert.append("propagate_cast_ops_allow / propagate_cast_ops_strategy change nothing while "
+                         "propagate_cast_ops_level is -1 (off): set it to 0, 1 or 2")
+        if not self.use_mixed_precision and self.mixed_precision_dtype != "float16":
+            inert.append(f"mixed_precision_dtype={self.mixed_precision_dtype!r} changes nothing while "
+                         "use_mixed_precision is False")
+        if self.max_grad_norm != DEFAULT_MAX_GRAD_NORM and not clip:
+            inert.append(f"max_grad_norm={self.max_grad_norm!r} changes nothing: gradient-norm "
+                         "clipping is off (" + ("enable_grad_norm_clip is False" if not
+                                                self.enable_grad_norm_clip else
+                                                "as in the reference, SGD is not clipped") + ")")
+        if self.recompute_dims and self.recompute_memory_budget is None:
+            inert.append("recompute_dims size tensors for the recompute planner: they change "
+                         "nothing without recompute_memory_budget")
+        if self.recompute_nothing_recomputed != "warn" and self._recompute() is None:
+            inert.append("recompute_nothing_recomputed changes nothing without a recompute property "
+                         "(gelu_recompute, attn_dropout_recompute, transformer_layer_recompute, "
+                         "recompute_memory_budget)")
+        for message in inert:
+            warnings.warn(f"TrainingParameters: {message}", UserWarning, stacklevel=4)
+
     def _recompute(self) -> Any:
         if not (self.gelu_recompute or self.attn_dropout_recompute or self.transformer_layer_recompute
                 or self.recompute_memory_budget is not None):
@@ -241,7 +336,9 @@ class TrainingParameters:
                                 attn_dropout=bool(self.attn_dropout_recompute),
                                 transformer_layers=bool(self.transformer_layer_recompute),
                                 number_recompute_layers=int(self.number_recompute_layers),
-                                memory_budget=self.recompute_memory_budget)
+                                memory_budget=self.recompute_memory_budget,
+                                dims=tuple(sorted(dict(self.recompute_dims).items())),
+                                nothing_recomputed=self.recompute_nothing_recomputed)
 
     def _mixed_precision(self) -> MixedPrecisionConfig:
         if not self.use_mixed_precision:

@@ -105,6 +105,9 @@ class TrainingNames:
         return self.out(name)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 @dataclasses.dataclass(frozen=True)
 class LossScaleSettings:
     """Dynamic loss scaling (the reference's ``amp.DynamicLossScaler`` defaults).
@@ -119,6 +122,7 @@ class LossScaleSettings:
     init_scale: float = float(1 << 16)
     up_scale_window: int = 2000
     min_loss_scale: float = 1.0
+    # inf (or anything above float32's largest value): no cap, kept as float32's largest value
     max_loss_scale: float = float(1 << 24)
     # False: a fixed scale (overflowing steps are still skipped).
     dynamic: bool = True
@@ -128,6 +132,12 @@ class LossScaleSettings:
             raise ValueError("loss scaler: need 0 < min_loss_scale <= init_scale <= max_loss_scale "
                              f"(got {self.min_loss_scale}, {self.init_scale}, {self.max_loss_scale})")
         check_count(self, "up_scale_window", self.up_scale_window, "finite steps before the scale grows")
+        if self.init_scale > FLOAT32_MAX:
+            raise ValueError(f"loss scaler: init_scale must be a finite float32 (at most "
+                             f"{FLOAT32_MAX:.4g}); got {self.init_scale}")
+        if self.max_loss_scale > FLOAT32_MAX:  # inf: no cap. The scale is a float32: doubled to
+            # inf, every step would overflow and inf / 2 stays inf (training stops, silently)
+            object.__setattr__(self, "max_loss_scale", FLOAT32_MAX)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ Values without a type get one from ONNX shape inference first (not reported as a
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Callable, Iterable
 
 import onnx_ir as ir
@@ -323,4 +324,10 @@ class CastPropagationPass(InPlacePass):
             modified |= _Propagation(graph, self, opset, edit, rejected).run()
         for op_type in rejected.values():
             self.rejected[op_type] = self.rejected.get(op_type, 0) + 1
+        if not modified:  # nothing silent: the option was asked for and did nothing
+            warnings.warn(f"CastPropagationPass: propagate_cast_ops level {self.level} changed nothing: "
+                          "FLOOD_FILL only moves existing precision boundaries (Casts between float32 "
+                          "and the low type; a float32 graph without mixed precision has none), "
+                          "INSERT_AND_REDUCE converts the ops the level allows (level 0: the allow "
+                          "list only)", UserWarning, stacklevel=3)
         return PassResult(model, modified)

@@ -1,0 +1,438 @@
+"""Every public option changes the outcome, or is refused (issue 35 §3).
+
+One case per option of ``TrainingParameters``, the ``TrainingConfig`` groups
+(``UpdateOptions``, ``GraphTransformerOptions``, ``CastPropagationConfig``,
+``MixedPrecisionConfig``, ``LossScaleSettings``, ``DebugOptions`` / ``GraphSavePaths``,
+``TrainingNames``), ``ORTTrainerOptions`` and ``TorchOrtFactory``. Each case sets one option
+against a baseline on the bundled example model and checks what it must change:
+
+- ``weights``: the weights after two training steps differ from the baseline's;
+- ``graph``: the training graph differs (op types, inputs or outputs), built as for a device
+  with every kernel (mixed precision and cast propagation keep nothing in fp32 for the CPU);
+- ``file``: the file the option names is written;
+- ``refused`` / ``warns``: an error / a warning naming the option.
+
+A coverage test per class fails when an option is added without a case here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+import gradgraph
+from gradgraph import TrainingConfig, TrainingParameters, TrainingSession
+from gradgraph.training import options as opts
+from gradgraph.training.build import build_training_artifacts
+from passes.autodiff import GradientError
+from passes.optimizer import AdamWConfig, ParamGroup, SGDConfig
+from passes.optimizer.optimizer_pass import (
+    FLOAT32_MAX,
+    LossScaleSettings,
+    TrainingNames,
+    UpdateOptions,
+)
+from passes.recompute import RecomputeOptions
+
+EXAMPLE = str(Path(gradgraph.__file__).parent / "examples" / "mlp.onnx")
+CPU = ["CPUExecutionProvider"]
+STEPS, LR = 2, 0.05
+
+
+def _feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {"x": rng.standard_normal((8, 16)).astype(np.float32),
+            "labels": rng.integers(0, 4, 8).astype(np.int64)}
+
+
+def _weights(parameters: TrainingParameters | TrainingConfig, model: Any = EXAMPLE,
+             steps: int = STEPS) -> dict[str, np.ndarray]:
+    session = TrainingSession(model, parameters, providers=CPU)
+    for _ in range(steps):
+        session.train_step(_feeds(), lr=LR)
+    return session.get_model_state()["full_precision"]
+
+
+def _graph(config: TrainingConfig, model: Any = EXAMPLE) -> tuple[bytes, ...]:
+    """The training, accumulation and eval graphs as bytes (the build is deterministic), the
+    initial state and the loss scale a session starts with."""
+    artifacts = build_training_artifacts(model, config)
+    graphs = [g.SerializeToString() for g in (artifacts.train, artifacts.accumulate, artifacts.eval)
+              if g is not None]
+    initial = sorted((k, np.asarray(v).tobytes()) for k, v in artifacts.initial.items())
+    scale = TrainingSession(model, config, providers=CPU).loss_scale \
+        if config.mixed_precision.dtype is not None else None
+    return (*graphs, repr(initial).encode(), repr(scale).encode())
+
+
+def _variant() -> onnx.ModelProto:
+    """The example with something for the clean-up passes (an Identity) and an erf-GELU for the
+    contrib-op fusion in place of its Tanh."""
+    proto = onnx.load(EXAMPLE)
+    nodes = list(proto.graph.node)
+    helper = onnx.helper
+    const = [helper.make_node("Constant", [], [name], value=helper.make_tensor(name, 1, [], [v]))
+             for name, v in (("sqrt2", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
+    gelu = [helper.make_node("Div", ["h2", "sqrt2"], ["g1"]), helper.make_node("Erf", ["g1"], ["g2"]),
+            helper.make_node("Add", ["g2", "one"], ["g3"]), helper.make_node("Mul", ["h2", "g3"], ["g4"]),
+            helper.make_node("Mul", ["g4", "half"], ["a2"])]
+    identity = helper.make_node("Identity", ["a1"], ["a1_copy"])
+    nodes[2].input[0] = "a1_copy"
+    del proto.graph.node[:]
+    proto.graph.node.extend(const + nodes[:2] + [identity] + nodes[2:3] + gelu + nodes[4:])
+    onnx.checker.check_model(proto)
+    return proto
+
+
+def _differ(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
+    return [k for k in a if not np.array_equal(a[k], b[k])]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """``option`` set by ``make(tmp_path)`` (a TrainingParameters or TrainingConfig) must have
+    the effect ``expect`` against ``base``: "weights", "graph", "file:<name>", "refused:<regex>"
+    or "warns:<regex>"."""
+
+    option: str
+    make: Callable[[Path], Any]
+    expect: str
+    base: Callable[[], Any] | None = None
+    model: Callable[[], Any] = lambda: EXAMPLE
+
+
+def _params(**props: Any) -> TrainingParameters:
+    params = TrainingParameters()
+    params.loss_output_name = "loss"
+    for name, value in props.items():
+        setattr(params, name, value)
+    return params
+
+
+def _with_state(params: TrainingParameters) -> TrainingParameters:
+    session = TrainingSession(EXAMPLE, _params(), providers=CPU)
+    session.train_step(_feeds(), lr=LR)
+    params.set_optimizer_initial_state(session.get_optimizer_state())
+    return params
+
+
+UNSUPPORTED = {"use_fp16_moments": True, "world_size": 2, "world_rank": 1, "data_parallel_size": 2,
+               "horizontal_parallel_size": 2, "pipeline_parallel_size": 2,
+               "num_pipeline_micro_batches": 2, "deepspeed_zero_stage": 1, "enable_adasum": True,
+               "allreduce_post_accumulation": True, "use_memory_efficient_gradient": True,
+               "pipeline_cut_info_string": "a:b", "sliced_schema": {"x": [2, 8]},
+               "sliced_axes": {"x": 0}, "sliced_tensor_names": ["x"]}
+MP = {"use_mixed_precision": True}
+# Cast propagation on a float32 graph: FLOOD_FILL moves existing casts (there are none),
+# INSERT_AND_REDUCE converts the ops the level allows.
+IAR = {"propagate_cast_ops_strategy": "INSERT_AND_REDUCE"}
+
+PARAMETER_CASES = [
+    Case("weights_to_train", lambda t: _params(weights_to_train={"fc1_weight"}), "weights"),
+    Case("weights_not_to_train", lambda t: _params(weights_not_to_train={"fc1_weight"}), "weights"),
+    Case("immutable_weights", lambda t: _params(immutable_weights={"fc1_weight": np.zeros((32, 16))}),
+         "refused:immutable_weights"),
+    Case("loss_output_name", lambda t: _params(loss_output_name="logits"), "refused:logits"),
+    Case("training_optimizer_name", lambda t: _params(training_optimizer_name="SGDOptimizer"), "weights"),
+    Case("lr_params_feed_name", lambda t: _params(lr_params_feed_name="my_lr"), "graph"),
+    Case("optimizer_attributes_map", lambda t: _params(optimizer_attributes_map={"fc1_weight": {"alpha": 0.5}}),
+         "weights"),
+    Case("optimizer_int_attributes_map",
+         lambda t: _params(optimizer_int_attributes_map={"fc1_weight": {"do_bias_correction": 0}}), "weights"),
+    Case("gradient_accumulation_steps", lambda t: _params(gradient_accumulation_steps=2), "weights"),
+    Case("enable_grad_norm_clip", lambda t: _params(enable_grad_norm_clip=False, max_grad_norm=1e-3),
+         "warns:max_grad_norm=0.001 changes nothing", base=lambda: _params(max_grad_norm=1e-3)),
+    Case("max_grad_norm", lambda t: _params(max_grad_norm=1e-3), "weights"),
+    Case("set_gradients_as_graph_outputs", lambda t: _params(set_gradients_as_graph_outputs=True), "graph"),
+    Case("model_after_graph_transforms_path",
+         lambda t: _params(model_after_graph_transforms_path=str(t / "f.onnx")), "file:f.onnx"),
+    Case("model_with_gradient_graph_path",
+         lambda t: _params(model_with_gradient_graph_path=str(t / "f.onnx")), "file:f.onnx"),
+    Case("model_with_training_graph_path",
+         lambda t: _params(model_with_training_graph_path=str(t / "f.onnx")), "file:f.onnx"),
+    Case("model_with_training_graph_after_optimization_path",
+         lambda t: _params(model_with_training_graph_after_optimization_path=str(t / "f.onnx")), "file:f.onnx"),
+    Case("propagate_cast_ops_level", lambda t: _params(**IAR, propagate_cast_ops_level=1), "graph",
+         base=lambda: _params(**IAR)),
+    Case("propagate_cast_ops_strategy", lambda t: _params(**IAR, propagate_cast_ops_level=1), "graph",
+         base=lambda: _params(propagate_cast_ops_level=1)),
+    Case("propagate_cast_ops_allow",
+         lambda t: _params(**IAR, propagate_cast_ops_level=0, propagate_cast_ops_allow=["Relu", "Tanh"]),
+         "graph", base=lambda: _params(**IAR, propagate_cast_ops_level=0)),
+    Case("attn_dropout_recompute", lambda t: _params(attn_dropout_recompute=True),
+         "warns:attn_dropout=True .*recomputed nothing"),
+    Case("gelu_recompute", lambda t: _params(gelu_recompute=True), "warns:gelu=True .*recomputed nothing"),
+    Case("transformer_layer_recompute", lambda t: _params(transformer_layer_recompute=True),
+         "warns:transformer_layers=True .*recomputed nothing"),
+    Case("number_recompute_layers", lambda t: _params(number_recompute_layers=1),
+         "refused:number_recompute_layers.*needs transformer_layer_recompute"),
+    Case("recompute_memory_budget", lambda t: _params(recompute_memory_budget=0, recompute_dims={"batch": 8}),
+         "graph", base=lambda: _params(recompute_dims={"batch": 8})),
+    Case("recompute_memory_budget of unsized activations", lambda t: _params(recompute_memory_budget=0),
+         "warns:memory_budget=0: activations of symbolic size"),
+    Case("recompute_dims", lambda t: _params(recompute_memory_budget=100, recompute_dims={"batch": 8}),
+         "graph", base=lambda: _params(recompute_memory_budget=100)),
+    Case("recompute_dims without a budget", lambda t: _params(recompute_dims={"batch": 8}),
+         "warns:recompute_dims size tensors"),
+    Case("recompute_nothing_recomputed",
+         lambda t: _params(gelu_recompute=True, recompute_nothing_recomputed="error"),
+         "refused:gelu=True .*recomputed nothing"),
+    Case("use_mixed_precision", lambda t: _params(**MP), "graph"),
+    Case("loss_scale", lambda t: _params(**MP, loss_scale=128.0), "graph", base=lambda: _params(**MP)),
+    Case("loss_scale without mixed precision", lambda t: _params(loss_scale=128.0),
+         "refused:loss_scale is set but use_mixed_precision is False"),
+    Case("mixed_precision_dtype without mixed precision", lambda t: _params(mixed_precision_dtype="bfloat16"),
+         "warns:mixed_precision_dtype='bfloat16' changes nothing"),
+    Case("propagate_cast_ops_allow without a level", lambda t: _params(propagate_cast_ops_allow=["Relu"]),
+         "warns:propagate_cast_ops_allow / propagate_cast_ops_strategy change nothing"),
+    Case("propagate_cast_ops_level on nothing to move", lambda t: _params(propagate_cast_ops_level=1),
+         "warns:propagate_cast_ops level 1 changed nothing"),
+    Case("max_grad_norm with SGD", lambda t: _params(training_optimizer_name="SGDOptimizer", max_grad_norm=0.5),
+         "warns:max_grad_norm=0.5 changes nothing.*SGD is not clipped"),
+    Case("recompute_nothing_recomputed without recompute", lambda t: _params(recompute_nothing_recomputed="error"),
+         "warns:recompute_nothing_recomputed changes nothing"),
+    Case("mixed_precision_dtype", lambda t: _params(**MP, mixed_precision_dtype="bfloat16"), "graph",
+         base=lambda: _params(**MP)),
+    Case("param_groups", lambda t: _params(param_groups=(ParamGroup(("fc1_*",), lr_scale=0.0),)), "weights"),
+    Case("optimizer_initial_state", lambda t: _with_state(_params()), "weights"),
+    *[Case(name, lambda t, n=name, v=value: _params(**{n: v}), f"refused:{name}")
+      for name, value in UNSUPPORTED.items()],
+]
+
+
+def _check(case: Case, tmp_path: Path) -> None:
+    kind, _, detail = case.expect.partition(":")
+    base = case.base() if case.base is not None else _params()
+    model = case.model()
+    if kind == "refused":
+        with pytest.raises((ValueError, NotImplementedError, GradientError), match=detail):
+            _weights(case.make(tmp_path), model)
+        return
+    if kind == "warns":
+        with pytest.warns(UserWarning, match=detail):
+            _weights(case.make(tmp_path), model)
+        return
+    if kind == "file":
+        _weights(case.make(tmp_path), model)
+        onnx.checker.check_model(onnx.load(tmp_path / detail))
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. mixed precision without a device
+        if kind == "weights":
+            changed = _differ(_weights(case.make(tmp_path), model), _weights(base, model))
+            assert changed, f"{case.option}: the weights are those of the baseline"
+            return
+        made, plain = case.make(tmp_path), base
+        made = made.to_config() if isinstance(made, TrainingParameters) else made
+        plain = plain.to_config() if isinstance(plain, TrainingParameters) else plain
+        assert _graph(plain, model) == _graph(plain, model), "the build is not deterministic"
+        assert _graph(made, model) != _graph(plain, model), f"{case.option}: the training graph is the baseline's"
+
+
+@pytest.mark.parametrize("case", PARAMETER_CASES, ids=lambda c: c.option)
+def test_training_parameters_take_effect(case: Case, tmp_path: Path) -> None:
+    _check(case, tmp_path)
+
+
+def test_every_training_parameter_has_a_case() -> None:
+    props = {k for k in vars(TrainingParameters()) if not k.startswith("_")}
+    assert props == {c.option.split()[0] for c in PARAMETER_CASES}
+
+
+# ---- the optimizer maps are per weight (issue 35 §4) ------------------------------------------
+
+
+@pytest.mark.parametrize("prop,attrs", [("optimizer_attributes_map", {"alpha": 0.5, "lambda": 0.1}),
+                                        ("optimizer_int_attributes_map", {"do_bias_correction": 0})])
+def test_an_optimizer_map_changes_only_the_weight_it_names(prop: str, attrs: dict[str, Any]) -> None:
+    """After one step (from the second on, every gradient depends on the changed weight)."""
+    params = _params(enable_grad_norm_clip=False)  # the global norm would tie the weights together
+    base = _weights(params, steps=1)
+    changed = _differ(_weights(_params(enable_grad_norm_clip=False, **{prop: {"fc2_weight": attrs}}),
+                               steps=1), base)
+    assert changed == ["fc2_weight"]
+
+
+def test_an_optimizer_map_naming_no_trained_weight_is_refused() -> None:
+    with pytest.raises(GradientError, match=r"optimizer_attributes_map.*'fc2_wieght', which is no "
+                                            r"trained weight \(did you mean 'fc2_weight'"):
+        _weights(_params(optimizer_attributes_map={"fc2_wieght": {"alpha": 0.5}}))
+    with pytest.raises(GradientError, match="'fc1_weight', which is no trained weight"):
+        _weights(_params(weights_not_to_train={"fc1_weight"},
+                         optimizer_int_attributes_map={"fc1_weight": {"do_bias_correction": 0}}))
+
+
+@pytest.mark.parametrize("value,words", [
+    ({"alpha": 0.9}, r"\{weight_name: \{attribute: value\}\}.*got 'alpha': 0.9 \(a flat map"),
+    ([("w", {"alpha": 0.9})], r"\{weight_name: \{attribute: value\}\}.*got a list"),
+    ({"fc1_weight": {"max_norm_clip": 1.0}}, "max_norm_clip.*max_grad_norm"),
+    ({"fc1_weight": {"alpah": 0.9}}, "'alpah' .*does not apply"),
+])
+def test_a_malformed_optimizer_map_names_the_expected_shape(value: Any, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        _params(optimizer_attributes_map=value).to_config()
+
+
+def test_data_parallel_size_says_how_to_run_data_parallel() -> None:
+    with pytest.raises(NotImplementedError, match=r"--nproc N.*DistributedConfig\.from_env\(\)"):
+        _params(data_parallel_size=2).to_config()
+
+
+def test_a_weight_in_two_parameter_groups_warns_naming_both() -> None:
+    groups = (ParamGroup(("fc1_*",), {"weight_decay": 0.0}), ParamGroup(("*_weight",), lr_scale=0.5))
+    with pytest.warns(UserWarning, match=r"weights fc1_weight match parameter group 0 \['fc1_\*'\] and "
+                                         r"group 1 \['\*_weight'\]: the first group that matches applies"):
+        _graph(TrainingConfig("loss", AdamWConfig(), update=UpdateOptions(groups=groups)))
+
+
+def test_unbounded_max_loss_scale_is_the_largest_float32() -> None:
+    """inf: no cap. Kept as inf, a doubled float32 scale became inf, and inf / 2 stays inf:
+    every later step overflowed and was skipped."""
+    assert LossScaleSettings(max_loss_scale=math.inf).max_loss_scale == FLOAT32_MAX
+    with pytest.raises(ValueError, match="init_scale must be a finite float32"):
+        LossScaleSettings(init_scale=math.inf, max_loss_scale=math.inf)
+    config = TrainingConfig("loss", SGDConfig(), mixed_precision=opts.MixedPrecisionConfig(
+        "float16", LossScaleSettings(max_loss_scale=math.inf)))
+    train = build_training_artifacts(EXAMPLE, config).train.graph
+    caps = [onnx.numpy_helper.to_array(a.t) for n in train.node if n.op_type == "Constant"
+            for a in n.attribute if a.name == "value"]
+    assert any(c.size == 1 and float(c.reshape(-1)[0]) == FLOAT32_MAX for c in caps)
+    assert not any(c.dtype.kind == "f" and np.isinf(c).any() for c in caps)
+
+
+# ---- TrainingConfig and its groups ------------------------------------------------------------
+
+
+def _config(**fields: Any) -> TrainingConfig:
+    return TrainingConfig("loss", AdamWConfig(), **fields)
+
+
+def _update(**fields: Any) -> TrainingConfig:
+    return _config(update=UpdateOptions(**fields))
+
+
+def _names(**fields: Any) -> TrainingConfig:
+    """Accumulation, clipping and a loss scale: every name a training graph may hold is used."""
+    return _config(update=UpdateOptions(accumulation_steps=2, max_grad_norm=1.0, names=TrainingNames(**fields)),
+                   mixed_precision=opts.MixedPrecisionConfig("float16"))
+
+
+def _mp(dtype: str = "float16", **fields: Any) -> TrainingConfig:
+    return _config(mixed_precision=opts.MixedPrecisionConfig(dtype, **fields))
+
+
+def _cast(**fields: Any) -> TrainingConfig:
+    fields.setdefault("strategy", opts.CastStrategy.INSERT_AND_REDUCE)
+    return _config(graph_transformer=opts.GraphTransformerOptions(
+                       propagate_cast_ops=opts.CastPropagationConfig(**fields)))
+
+
+def _saves(**fields: str) -> Callable[[Path], TrainingConfig]:
+    return lambda t: _config(debug=opts.DebugOptions(opts.GraphSavePaths(
+        **{k: str(t / v) for k, v in fields.items()})))
+
+
+CONFIG_CASES = [
+    Case("TrainingConfig.loss", lambda t: TrainingConfig("logits"), "refused:logits"),
+    Case("TrainingConfig.optimizer", lambda t: TrainingConfig("loss", SGDConfig()), "weights",
+         base=lambda: _config()),
+    Case("TrainingConfig.weights_to_train", lambda t: _config(weights_to_train=("fc1_weight",)), "weights",
+         base=lambda: _config()),
+    Case("TrainingConfig.weights_not_to_train", lambda t: _config(weights_not_to_train=("fc1_weight",)),
+         "weights", base=lambda: _config()),
+    Case("TrainingConfig.loss_reduction", lambda t: TrainingConfig("logits", SGDConfig(), loss_reduction="mean"),
+         "weights", base=lambda: TrainingConfig("logits", SGDConfig(), loss_reduction="sum")),
+    Case("TrainingConfig.loss_reduction of a scalar", lambda t: _config(loss_reduction="mean"),
+         "warns:loss reduction 'mean' changes nothing: the loss 'loss' is already a scalar"),
+    Case("UpdateOptions.groups", lambda t: _update(groups=(ParamGroup(("fc1_*",), lr_scale=0.0),)),
+         "weights", base=lambda: _config()),
+    Case("UpdateOptions.accumulation_steps", lambda t: _update(accumulation_steps=2), "weights",
+         base=lambda: _config()),
+    Case("UpdateOptions.max_grad_norm", lambda t: _update(max_grad_norm=1e-3), "weights",
+         base=lambda: _config()),
+    Case("UpdateOptions.clip_eps", lambda t: _update(max_grad_norm=1e-3, clip_eps=1.0), "weights",
+         base=lambda: _update(max_grad_norm=1e-3)),
+    Case("UpdateOptions.keep_gradient_outputs", lambda t: _update(keep_gradient_outputs=True), "graph",
+         base=lambda: _config()),
+    Case("UpdateOptions.skip_non_finite", lambda t: _update(skip_non_finite=False), "graph",
+         base=lambda: _config()),
+    Case("UpdateOptions.loss_scale", lambda t: _update(loss_scale=LossScaleSettings()),
+         "refused:update.loss_scale is set by mixed precision"),
+    Case("UpdateOptions.names", lambda t: _names(learning_rate="lr2"), "graph", base=lambda: _config()),
+    Case("UpdateOptions.select_in_graph", lambda t: _update(select_in_graph=False), "graph",
+         base=lambda: _config()),
+    Case("UpdateOptions.fuse_below", lambda t: _update(fuse_below=0), "graph", base=lambda: _config()),
+    Case("GraphTransformerOptions.cleanup",
+         lambda t: _config(graph_transformer=opts.GraphTransformerOptions(cleanup=True)), "graph",
+         base=lambda: _config(), model=_variant),
+    Case("GraphTransformerOptions.contrib_ops",
+         lambda t: _config(graph_transformer=opts.GraphTransformerOptions(contrib_ops=False)),
+         "graph", base=lambda: _config(), model=_variant),
+    Case("GraphTransformerOptions.propagate_cast_ops", lambda t: _cast(level=1), "graph",
+         base=lambda: _config()),
+    Case("GraphTransformerOptions.recompute",
+         lambda t: _config(graph_transformer=opts.GraphTransformerOptions(
+             recompute=RecomputeOptions(memory_budget=0, dims=(("batch", 8),)))), "graph",
+         base=lambda: _config()),
+    Case("CastPropagationConfig.strategy", lambda t: _cast(level=1), "graph",
+         base=lambda: _cast(level=1, strategy=opts.CastStrategy.FLOOD_FILL)),
+    Case("CastPropagationConfig.level", lambda t: _cast(level=1), "graph", base=lambda: _cast(level=0)),
+    Case("CastPropagationConfig.allow", lambda t: _cast(level=0, allow=("Relu", "Tanh")), "graph",
+         base=lambda: _cast(level=0)),
+    Case("MixedPrecisionConfig.dtype", lambda t: _mp(), "graph", base=lambda: _config()),
+    Case("MixedPrecisionConfig.loss_scaler", lambda t: _mp(loss_scaler=LossScaleSettings(dynamic=False)),
+         "graph", base=lambda: _mp()),
+    Case("MixedPrecisionConfig.scale_bfloat16", lambda t: _mp("bfloat16", scale_bfloat16=True), "graph",
+         base=lambda: _mp("bfloat16")),
+    Case("LossScaleSettings.init_scale", lambda t: _mp(loss_scaler=LossScaleSettings(init_scale=8.0)),
+         "graph", base=lambda: _mp()),
+    Case("LossScaleSettings.up_scale_window", lambda t: _mp(loss_scaler=LossScaleSettings(up_scale_window=3)),
+         "graph", base=lambda: _mp()),
+    Case("LossScaleSettings.min_loss_scale", lambda t: _mp(loss_scaler=LossScaleSettings(min_loss_scale=2.0)),
+         "graph", base=lambda: _mp()),
+    Case("LossScaleSettings.max_loss_scale", lambda t: _mp(loss_scaler=LossScaleSettings(max_loss_scale=2.0**20)),
+         "graph", base=lambda: _mp()),
+    Case("LossScaleSettings.dynamic", lambda t: _mp(loss_scaler=LossScaleSettings(dynamic=False)), "graph",
+         base=lambda: _mp()),
+    Case("DebugOptions.save_stages", lambda t: _config(debug=opts.DebugOptions(save_stages=str(t))),
+         "file:04_training.onnx"),
+    Case("GraphSavePaths.model_after_graph_transforms_path",
+         _saves(model_after_graph_transforms_path="f.onnx"), "file:f.onnx"),
+    Case("GraphSavePaths.model_with_gradient_graph_path",
+         _saves(model_with_gradient_graph_path="f.onnx"), "file:f.onnx"),
+    Case("GraphSavePaths.model_with_training_graph_path",
+         _saves(model_with_training_graph_path="f.onnx"), "file:f.onnx"),
+    Case("GraphSavePaths.model_with_training_graph_after_optimization_path",
+         _saves(model_with_training_graph_after_optimization_path="f.onnx"), "file:f.onnx"),
+    *[Case(f"TrainingNames.{f.name}", lambda t, n=f.name: _names(**{n: f"renamed_{n}"}), "graph",
+           base=_names)
+      for f in dataclasses.fields(TrainingNames)],
+]
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=lambda c: c.option)
+def test_training_config_options_take_effect(case: Case, tmp_path: Path) -> None:
+    _check(case, tmp_path)
+
+
+@pytest.mark.parametrize("cls", [TrainingConfig, UpdateOptions, opts.GraphTransformerOptions,
+                                 opts.CastPropagationConfig, opts.MixedPrecisionConfig,
+                                 LossScaleSettings, opts.DebugOptions, opts.GraphSavePaths, TrainingNames])
+def test_every_config_field_has_a_case(cls: type) -> None:
+    covered = {c.option.split()[0] for c in CONFIG_CASES}
+    fields = {f"{cls.__name__}.{f.name}" for f in dataclasses.fields(cls)}
+    missing = sorted(fields - covered)
+    if cls is opts.DebugOptions:
+        missing.remove("DebugOptions.graph_save_paths")  # its fields: GraphSavePaths.*
+    if cls is TrainingConfig:  # each group's fields have cases of their own
+        missing = [m for m in missing if m.split(".")[1] not in
+                   ("update", "graph_transformer", "mixed_precision", "debug")]
+    assert not missing
