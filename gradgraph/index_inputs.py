@@ -98,14 +98,17 @@ def _use_of(node: ir.Node, index: int, negative_ok: bool) -> IndexUse | None:
 
 
 def index_uses(model: ir.Model | onnx.ModelProto) -> dict[str, list[IndexUse]]:
-    """Graph input name -> where its values are used as indices (module docstring)."""
-    if isinstance(model, onnx.ModelProto):
-        direct = index_uses(ir.from_proto(model))
-        if all(u.size is not None for uses in direct.values() for u in uses):
-            return direct
-        # a size unknown: our own copy, with shapes inferred (onnx_ir's pass takes > 2 GB models)
-        copy = ir.from_proto(model)
-        return index_uses(common.ShapeInferencePass(strict_mode=False)(copy).model)
+    """Graph input name -> where its values are used as indices (module docstring). Where a
+    size is not known, shapes are inferred (into an IR model given, into a copy of a proto)."""
+    model = ir.from_proto(model) if isinstance(model, onnx.ModelProto) else model
+    found = _index_uses(model)
+    if all(u.size is not None for uses in found.values() for u in uses):
+        return found
+    # onnx_ir's pass leaves the initializers out of onnx's inference: > 2 GB models too
+    return _index_uses(common.ShapeInferencePass(strict_mode=False)(model).model)
+
+
+def _index_uses(model: ir.Model) -> dict[str, list[IndexUse]]:
     negative_ok = str(model.metadata_props.get(ALLOW_NEGATIVE_KEY, "")).lower() in ("1", "true")
     found: dict[str, list[IndexUse]] = {}
     for start in model.graph.inputs:

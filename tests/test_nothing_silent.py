@@ -6,9 +6,19 @@
 2. A negative (or too large) class label or embedding id is refused as torch refuses it:
    ``gradgraph train --data`` at load, :class:`TrainingSession` before onnxruntime runs,
    ``gradgraph check --inputs``; a hand-built model opts in to ONNX's negative Gather indices.
+4. Data-parallel ranks started with other options, weights or data shapes stop at the start
+   with one line naming the difference.
 """
 
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -219,3 +229,95 @@ def test_a_model_opts_in_to_negative_gather_indices():
 def test_check_refuses_bad_labels_in_given_inputs():
     with pytest.raises(InputError, match=r"the inputs given: input 'y' holds -1"):
         gradcheck(_classifier(), "loss", inputs={k: v[:4] for k, v in _data(y=(0, -1)).items()})
+
+
+# ---- 4. data-parallel ranks that were started differently ---------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "gradgraph" / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _two_ranks(tmp_path: Path, differs: list[str], timeout: float = 100.0) -> list[subprocess.CompletedProcess]:
+    """Rank 0 and rank 1 of `gradgraph train` started by hand (as torchrun would), rank 1 with
+    ``differs`` appended to its command line (argparse: the last value of a flag wins)."""
+    port = _free_port()
+    base = [sys.executable, "-m", "gradgraph", "train", str(EXAMPLES / "mlp.onnx"), "--loss", "loss",
+            "--data", str(EXAMPLES / "mlp_data.npz"), "--optimizer", "sgd", "--lr", "0.05",
+            "--steps", "3", "--batch-size", "8", "--quiet"]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        command = base + (differs if rank else []) + ["--checkpoint-dir", str(tmp_path / f"r{rank}")]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline, results = time.monotonic() + timeout, []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+@pytest.mark.parametrize(("differs", "named"), [
+    (["--lr", "0.1"], "differ in --lr: rank 0 has '0.05', rank 1 has '0.1'"),
+    (["--steps", "4"], "differ in --steps: rank 0 has '3', rank 1 has '4'"),
+    (["--optimizer", "adamw"], "differ in TrainingConfig.optimizer"),
+    (["--freeze", "fc1_weight"], "differ in TrainingConfig.weights_not_to_train"),
+    (["--batch-size", "4"], "differ in --batch-size: rank 0 has '8', rank 1 has '4'"),
+])
+def test_ranks_started_differently_stop_naming_the_difference(tmp_path, differs, named):
+    """They finished with exit 0 and different weights (--lr, --optimizer), died in gloo
+    (--freeze) or hit the 60 s collective timeout (--steps)."""
+    start = time.monotonic()
+    rank0, rank1 = _two_ranks(tmp_path, differs)
+    assert rank0.returncode == 2 and rank1.returncode == 2, (rank0.stderr[-2000:], rank1.stderr[-2000:])
+    lines = [line for line in rank0.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and named in lines[0], rank0.stderr[-2000:]
+    assert "Traceback" not in rank0.stderr + rank1.stderr
+    assert time.monotonic() - start < 55  # not the collective timeout
+
+
+# ---- 5. mixed precision that computes nothing in low precision ---------------------------------
+
+def _mlp_session(dtype: str | None) -> tuple[TrainingSession, list[str]]:
+    from gradgraph.training.options import MixedPrecisionConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session = TrainingSession(str(EXAMPLES / "mlp.onnx"), TrainingConfig(
+            "loss", SGDConfig(), mixed_precision=MixedPrecisionConfig(dtype=dtype)),
+            providers=["CPUExecutionProvider"])
+    return session, [str(w.message) for w in caught if "mixed_precision" in str(w.message)]
+
+
+def test_fp16_on_the_cpu_warns_that_nothing_runs_in_fp16():
+    """The loss of an fp16 step on the CPU is fp32's, bit for bit: said, naming the option."""
+    data = dict(np.load(EXAMPLES / "mlp_data.npz"))
+    batch = {k: v[:8] for k, v in data.items()}
+    fp32, quiet = _mlp_session(None)
+    fp16, said = _mlp_session("float16")
+    assert not quiet
+    assert fp16.train_step(batch, lr=0.1) == fp32.train_step(batch, lr=0.1)
+    assert len(said) == 1 and "mixed_precision.dtype='float16' (--mixed-precision float16)" in said[0]
+    assert "no op of this model computes in float16" in said[0]
+    _, said_bf16 = _mlp_session("bfloat16")
+    assert len(said_bf16) == 1 and "values are rounded to bfloat16" in said_bf16[0]
+
+
+def test_a_cast_inserted_by_onnxruntime_is_told_from_a_native_kernel():
+    from gradgraph.training.precision_warning import runs_natively
+
+    assert runs_natively("Gemm", "", int(onnx.TensorProto.FLOAT)) is True
+    assert runs_natively("Gemm", "", int(onnx.TensorProto.FLOAT16)) is False

@@ -40,6 +40,7 @@ from gradgraph.feeds import InputError, load_npz
 from gradgraph.index_inputs import IndexCheck
 from gradgraph.io import atomic_write_bytes, remove_stale_temps
 from gradgraph.training.checkpoint import CheckpointError
+from gradgraph.training.rank_agreement import command_configuration
 from gradgraph.training.schedules import KINDS, Schedule
 from passes.optimizer import config_type
 
@@ -72,6 +73,9 @@ EXIT_DIVERGED = 3
 CHECKPOINT_NAME = "checkpoint.safetensors"
 CURVE_NAME = "loss.png"
 INFERENCE_NAME = "inference.onnx"
+# Options that may differ between data-parallel ranks (paths, output): the others must agree.
+PER_RANK_OPTIONS = ("model", "data", "checkpoint_dir", "save_stages", "quiet", "argv", "command",
+                    "list_weights", "func")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -359,6 +363,8 @@ def run(args: argparse.Namespace) -> int:
                               distributed=distributed)
     data = _check_data(data, session.artifacts.feeds, args.data)
     IndexCheck(model)(data, f"data file {args.data!r}")  # torch's IndexError, before any step
+    if session.data_parallel is not None:  # every rank's options and data alike, or one line
+        session.data_parallel.agree(command_configuration(vars(args), data, PER_RANK_OPTIONS))
     schedule = Schedule(args.schedule, args.lr, args.steps, args.warmup_steps)
     losses: list[float] = []
     if args.resume and ckpt_dir is not None:

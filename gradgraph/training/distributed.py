@@ -22,7 +22,10 @@ The collectives run on a gloo group of ``torch.distributed`` (the gradients are 
 memory, also with CUDA; a caller's NCCL group gets a gloo group beside it), initialised from
 torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when
 the caller has not done it. A collective that fails (a rank died) or exceeds ``timeout_s``
-raises :class:`DistributedError` instead of hanging.
+raises :class:`DistributedError` instead of hanging. Before the first collective the ranks
+compare their configuration (the training graph's hash, the options, the trained set; at the
+first step the feeds' shapes; see :mod:`gradgraph.training.rank_agreement`) and stop with one
+line naming the first difference.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from gradgraph.training.rank_agreement import feed_shapes, first_difference, session_configuration
 from passes.autodiff import GradientError
 
 
@@ -198,6 +202,13 @@ class Collectives:
         self._guard(f"the broadcast from rank {src}", _dist().broadcast, tensor, src, self.group)
         return tensor.numpy()
 
+    def all_gather(self, value: object) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order."""
+        gathered: list[Any] = [None] * self.config.world_size
+        self._guard("the exchange of the ranks' configurations", _dist().all_gather_object,
+                    gathered, value, self.group)
+        return gathered
+
     def barrier(self) -> None:
         self._guard("the barrier", _dist().barrier, self.group)
 
@@ -223,6 +234,10 @@ class DataParallelRunner:
         self.session, self.config = session, config
         art, store, names = session.artifacts, session.store, session.names
         self.coll = Collectives(config, ensure_process_group(config, store.device))
+        # before any other collective: a rank with other weights or options stops here, named
+        self.agree(session_configuration(session, config.world_size, config.zero_stage,
+                                         config.allreduce_post_accumulation))
+        self.feeds_agreed = False
         sizes = {w: int(art.initial[w].size) for w in art.trained}
         self.owner = partition(sizes, config.world_size) if config.zero_stage == 1 else \
             {w: config.rank for w in art.trained}
@@ -249,8 +264,19 @@ class DataParallelRunner:
             self.apply = GraphRunner(apply_proto, *args)
         self.accumulated: dict[str, np.ndarray] | None = None
 
+    def agree(self, parts: Mapping[str, str]) -> None:
+        """Stop every rank with one :class:`DistributedError` line naming the first of
+        ``parts`` (name -> value as text) in which a rank differs from rank 0
+        (:mod:`gradgraph.training.rank_agreement`); a front end adds its own options."""
+        difference = first_difference(self.coll.all_gather(dict(parts)))
+        if difference is not None:
+            raise DistributedError(difference)
+
     def train_step(self, feeds: Mapping[str, Any], lr: float, fetches: Sequence[str]) -> dict[str, np.ndarray]:
         session, config = self.session, self.config
+        if not self.feeds_agreed:  # the batch each rank feeds: same names, shapes and dtypes
+            self.agree(feed_shapes(feeds))
+            self.feeds_agreed = True
         update = session.config.update
         steps = update.accumulation_steps
         applying = session.micro_step + 1 == steps

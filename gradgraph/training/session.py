@@ -32,6 +32,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from gradgraph.feeds import InputError
 from gradgraph.index_inputs import IndexCheck
+from gradgraph.training.precision_warning import warn_if_emulated
 from gradgraph.io import atomic_output_path, save_model
 from gradgraph.training.build import (
     TrainingArtifacts,
@@ -165,6 +166,7 @@ class TrainingSession:
         self.providers = _provider_names(providers)
         self.artifacts: TrainingArtifacts = build_training_artifacts(
             path_or_bytes, config, save_stages=save_stages, providers=self.providers)
+        warn_if_emulated(self.artifacts.train, config.mixed_precision.dtype, self.providers)
         # The build's garbage goes back to the system before the state and the sessions are made
         # (else they are laid out around its holes: 20 MB more resident on the GPT-2-like model).
         weight_bytes = sum(int(np.asarray(a).nbytes) for a in self.artifacts.initial.values())
