@@ -276,6 +276,8 @@ class ORTTrainer:
                             "allreduce_post_accumulation": allreduce_post_accumulation,
                             "deepspeed_zero_optimization": {"stage": deepspeed_zero_stage}},
             "mixed_precision": mixed,
+            # the legacy trainer had no cast propagation (the newer options' default level is 1)
+            "graph_transformer": {"propagate_cast_ops_config": {"level": -1}},
             "utils": {"frozen_weights": list(frozen_weights), "grad_norm_clip": enable_grad_norm_clip,
                       "run_symbolic_shape_infer": run_symbolic_shape_infer},
             "debug": {"deterministic_compute": _use_deterministic_compute, "graph_save_paths": {
