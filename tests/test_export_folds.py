@@ -407,3 +407,26 @@ def test_a_model_without_a_loss_is_told_to_compute_it_in_forward(tmp_path: Path,
     assert 0 <= err.find("compute the loss in the model's forward") < first, err
     assert cli_main(["grad", str(path), "--loss", "loss", "-o", str(tmp_path / "g.onnx")]) == 2
     assert "compute the loss in the model's forward" in capsys.readouterr().err
+
+
+def test_a_parameter_removed_as_x_times_1_is_listed_not_in_the_export(tmp_path: Path) -> None:
+    """onnxscript's no-op rule removes ``h * scale`` for a 0-d scale of 1.0 with its record;
+    the file cannot tell it from an unused parameter, so --list-weights says both."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.tensor(1.0))
+            self.unused = nn.Parameter(torch.randn(3))
+
+        def forward(self, x, y):
+            return F.mse_loss(self.fc(x) * self.scale, y)
+
+    torch.manual_seed(0)
+    path = export_default(Scaled(), (torch.randn(4, 4), torch.randn(4, 4)), ["x", "y"], tmp_path / "s.onnx")
+    assert "scale" not in {i.name for i in onnx.load(str(path), load_external_data=False).graph.initializer}
+    rows = {r.name: r for r in gradgraph.list_weights(str(path))}
+    for name in ("scale", "unused"):
+        assert not rows[name].trained and "x*1" in rows[name].reason and "optimize=False" in rows[name].reason
+    assert rows["fc.weight"].trained and rows["fc.bias"].trained
