@@ -32,6 +32,7 @@ import gradgraph
 from gradgraph import TrainingConfig, TrainingParameters, TrainingSession
 from gradgraph.training import options as opts
 from gradgraph.training.build import build_training_artifacts
+from gradgraph.training.options import CastStrategy
 from passes.autodiff import GradientError
 from passes.optimizer import AdamWConfig, ParamGroup, SGDConfig
 from passes.optimizer.optimizer_pass import (
@@ -436,3 +437,105 @@ def test_every_config_field_has_a_case(cls: type) -> None:
         missing = [m for m in missing if m.split(".")[1] not in
                    ("update", "graph_transformer", "mixed_precision", "debug")]
     assert not missing
+
+
+# ---- TorchOrtFactory ---------------------------------------------------------------------------
+
+
+def _factory_model() -> onnx.ModelProto:
+    """Y = tanh(X @ W + B) @ V with two graph inputs X and B, and a second output S = sum(tanh)."""
+    return onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+    g (float[5,4] X, float[6] B) => (float[5,3] Y, float S) <float[4,6] W = {
+        0.1, -0.2, 0.3, 0.4, -0.5, 0.6, 0.7, 0.8, -0.9, 1.0, 0.1, 0.2,
+        0.3, 0.4, 0.5, -0.6, 0.7, 0.8, 0.9, 1.0, 0.1, -0.2, 0.3, 0.4},
+        float[6,3] V = {0.5, 0.1, -0.3, 0.2, 0.4, 0.6, -0.1, 0.3, 0.2, 0.9, -0.5, 0.1,
+                        0.3, 0.3, 0.3, -0.2, 0.1, 0.7}> {
+      m = MatMul(X, W)
+      h0 = Add(m, B)
+      h = Tanh(h0)
+      Y = MatMul(h, V)
+      S = ReduceSum<keepdims = 0>(h)
+    }""")
+
+
+def _apply(cls: Any, *tensors: Any) -> Any:
+    torch = pytest.importorskip("torch")
+    w = torch.tensor(onnx.numpy_helper.to_array(_factory_model().graph.initializer[0]), requires_grad=True)
+    return cls.apply(*tensors, w)
+
+
+def test_torch_ort_factory_arguments_take_effect(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    torch = pytest.importorskip("torch")
+    import onnxruntime as ort
+
+    from gradgraph.torch import TorchOrtFactory
+
+    x, b = torch.ones(5, 4), torch.arange(6, dtype=torch.float32) / 6
+    plain = TorchOrtFactory(_factory_model(), ["W"]).create_class()
+    y, s = _apply(plain, x, b)
+    # input_names: the order apply takes the inputs in
+    swapped = TorchOrtFactory(_factory_model(), ["W"], input_names=["B", "X"]).create_class()
+    y2, _ = _apply(swapped, b, x)
+    torch.testing.assert_close(y2, y)
+    # output_names: which outputs, in which order
+    only = TorchOrtFactory(_factory_model(), ["W"], output_names=["S"]).create_class()
+    torch.testing.assert_close(_apply(only, x, b), s)
+    # class_name
+    assert TorchOrtFactory(_factory_model(), ["W"], class_name="MyFn").create_class().__name__ == "MyFn"
+    # sess_options: the user's options reach the sessions (here: onnxruntime writes its graph)
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    _apply(TorchOrtFactory(_factory_model(), ["W"], sess_options=so).create_class(), x, b)
+    assert (tmp_path / "optimized.onnx").exists()
+    # providers / provider_options reach the sessions
+    given = [{"arena_extend_strategy": "kSameAsRequested"}]
+    factory = TorchOrtFactory(_factory_model(), ["W"], providers=["CPUExecutionProvider"], provider_options=given)
+    assert factory._provider_options() == given  # what the sessions are made with
+    assert factory.create_class()._sess.get_providers() == ["CPUExecutionProvider"]
+    # graph_builder_config: onnxruntime-training's, ignored with a warning
+    with pytest.warns(UserWarning, match="graph_builder_config .* is ignored"):
+        TorchOrtFactory(_factory_model(), ["W"], graph_builder_config=object())
+    # device_index: refused where no GPU provider would use it, or against provider_options
+    with pytest.raises(ValueError, match=r"device_index=1 selects the device of a GPU provider"):
+        TorchOrtFactory(_factory_model(), ["W"], device_index=1)
+    with pytest.raises(ValueError, match=r"device_index=1 and CUDAExecutionProvider's provider_options "
+                                         r"device_id='0'"):
+        TorchOrtFactory(_factory_model(), ["W"], providers=["CUDAExecutionProvider"],
+                        provider_options=[{"device_id": "0"}], device_index=1)
+    gpu = TorchOrtFactory(_factory_model(), ["W"], providers=["CUDAExecutionProvider"],
+                          provider_options=[{"gpu_mem_limit": "1024"}], device_index=2)
+    assert gpu._provider_options() == [{"device_id": "2", "gpu_mem_limit": "1024"}]
+    # create_class: enable_logging logs the build, keep_models keeps the pre-gradient graph,
+    # debug does both
+    with caplog.at_level("INFO", logger="gradgraph.torch"):
+        TorchOrtFactory(_factory_model(), ["W"]).create_class(enable_logging=True)
+    assert "built; forward outputs" in caplog.text
+    assert isinstance(TorchOrtFactory(_factory_model(), ["W"]).create_class(keep_models=True)
+                      ._optimized_pre_grad_model, onnx.ModelProto)
+    assert not hasattr(plain, "_optimized_pre_grad_model")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="gradgraph.torch"):
+        debug = TorchOrtFactory(_factory_model(), ["W"]).create_class(debug=True)
+    assert "built; forward outputs" in caplog.text and hasattr(debug, "_optimized_pre_grad_model")
+
+
+# ---- ORTTrainerOptions ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key,short", [("propagate_cast_ops_level", "level"),
+                                       ("propagate_cast_ops_strategy", "strategy"),
+                                       ("propagate_cast_ops_allow", "allow")])
+def test_ort_trainer_options_reads_the_schemas_long_names(key: str, short: str) -> None:
+    pytest.importorskip("torch")
+    from gradgraph.torch.trainer_options import ORTTrainerOptions
+
+    value = {"level": 2, "strategy": "INSERT_AND_REDUCE", "allow": ["Relu"]}[short]
+    for given in (key, short):
+        options = ORTTrainerOptions({"graph_transformer": {"propagate_cast_ops_config": {given: value}}})
+        group = options.graph_transformer.propagate_cast_ops_config
+        assert getattr(group, key) == getattr(group, short)
+        assert getattr(group, short) == (value if short != "strategy" else CastStrategy.INSERT_AND_REDUCE)
+        for path in (key, short):
+            assert options.was_set(f"graph_transformer.propagate_cast_ops_config.{path}")
+    with pytest.raises(ValueError, match=f"{key} and .*{short} are the same option"):
+        ORTTrainerOptions({"graph_transformer": {"propagate_cast_ops_config": {key: value, short: value}}})

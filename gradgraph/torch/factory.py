@@ -171,7 +171,13 @@ class TorchOrtFactory:
 
     def create_class(self, enable_logging: bool = False, keep_models: bool = False,
                      debug: bool = False) -> type[TorchOrtFunction]:
-        """A ``torch.autograd.Function`` subclass running the graph (module docstring)."""
+        """A ``torch.autograd.Function`` subclass running the graph (module docstring).
+
+        ``enable_logging``: log the build (logger ``gradgraph.torch``, INFO); ``keep_models``:
+        the graph with the weights as inputs, before the gradient, as ``_optimized_pre_grad_model``;
+        ``debug``: both."""
+        if debug:
+            enable_logging = keep_models = True
         model = ir.from_proto(self.onnx_model)
         # the graph's outputs become the user's, in output_names order (a name may repeat)
         by_name = {o.name: o for o in model.graph.outputs}
