@@ -539,3 +539,98 @@ def test_ort_trainer_options_reads_the_schemas_long_names(key: str, short: str) 
             assert options.was_set(f"graph_transformer.propagate_cast_ops_config.{path}")
     with pytest.raises(ValueError, match=f"{key} and .*{short} are the same option"):
         ORTTrainerOptions({"graph_transformer": {"propagate_cast_ops_config": {key: value, short: value}}})
+
+
+# ---- CLI: gradgraph build ------------------------------------------------------------------------
+
+
+def _build_outcome(argv: list[str], out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Any, ...]:
+    from gradgraph.cli.main import main as cli_main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = cli_main([*argv, "--save-stages", str(out)])
+    printed = capsys.readouterr()
+    stages = {p.name: p.read_bytes() for p in sorted(out.glob("*.onnx"))} if out.is_dir() else {}
+    return code, stages, printed.err
+
+
+def _variant_path(tmp_path: Path) -> str:
+    path = tmp_path / "variant.onnx"
+    onnx.save(_variant(), path)
+    return str(path)
+
+
+# (flag, its arguments, the arguments of the baseline it is compared with); {variant}: the
+# example with an Identity and an erf-GELU
+BUILD_FLAGS = [
+    ("--weights", ["--weights", "fc1_weight"], []),
+    ("--freeze", ["--freeze", "fc1_weight"], []),
+    ("--reduce", ["--loss", "logits", "--reduce", "mean"], ["--loss", "logits", "--reduce", "sum"]),
+    ("--optimizer", ["--optimizer", "sgd"], []),
+    ("--adam-eps", ["--adam-eps", "1e-3"], []),
+    ("--accumulate", ["--accumulate", "2"], []),
+    ("--clip", ["--clip", "1.0"], []),
+    ("--cleanup", ["{variant}", "--cleanup"], ["{variant}"]),
+    ("--standard-ops", ["{variant}", "--standard-ops"], ["{variant}"]),
+    ("--recompute", ["{variant}", "--recompute", "gelu"], ["{variant}"]),
+    ("--memory-budget", ["--memory-budget", "0", "--dim", "batch=8"], ["--dim", "batch=8"]),
+    ("--dim", ["--memory-budget", "100", "--dim", "batch=8"], ["--memory-budget", "100"]),
+    ("--cast-level", ["--cast-level", "1", "--cast-strategy", "INSERT_AND_REDUCE"],
+     ["--cast-strategy", "INSERT_AND_REDUCE"]),
+    ("--cast-strategy", ["--cast-level", "1", "--cast-strategy", "INSERT_AND_REDUCE"], ["--cast-level", "1"]),
+    ("--cast-allow", ["--cast-level", "0", "--cast-strategy", "INSERT_AND_REDUCE", "--cast-allow", "Relu"],
+     ["--cast-level", "0", "--cast-strategy", "INSERT_AND_REDUCE"]),
+    ("--mixed-precision", ["--mixed-precision", "float16"], []),
+    ("--device", ["{variant}", "--mixed-precision", "float16", "--device", "cpu"],
+     ["{variant}", "--mixed-precision", "float16"]),
+]
+BUILD_REFUSED = [
+    ("--loss", ["--loss", "nope"], "nope"),
+    ("--recompute-layers", ["--recompute-layers", "1"], "needs --recompute transformer_layers"),
+]
+
+
+def _argv(args: list[str], tmp_path: Path) -> list[str]:
+    model = _variant_path(tmp_path) if "{variant}" in args else EXAMPLE
+    args = [a for a in args if a != "{variant}"]
+    loss = [] if "--loss" in args else ["--loss", "loss"]
+    return ["build", model, *loss, *args]
+
+
+@pytest.mark.parametrize("flag,args,base", BUILD_FLAGS, ids=[f[0] for f in BUILD_FLAGS])
+def test_build_flags_take_effect(flag: str, args: list[str], base: list[str], tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code, stages, err = _build_outcome(_argv(args, tmp_path), tmp_path / "a", capsys)
+    base_code, base_stages, _ = _build_outcome(_argv(base, tmp_path), tmp_path / "b", capsys)
+    assert code == 0, err
+    assert code == base_code == 0
+    assert stages != base_stages, f"{flag}: the same stage models as without it"
+
+
+@pytest.mark.parametrize("flag,args,words", BUILD_REFUSED, ids=[f[0] for f in BUILD_REFUSED])
+def test_build_flags_refused(flag: str, args: list[str], words: str, tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _build_outcome(_argv(args, tmp_path), tmp_path / "a", capsys)
+    assert code != 0 and words in err
+
+
+def test_every_build_flag_has_a_case() -> None:
+    import argparse
+
+    from gradgraph.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {s for a in sub.choices["build"]._actions for s in a.option_strings if s.startswith("--")}
+    covered = {f[0] for f in BUILD_FLAGS + BUILD_REFUSED} | {
+        "--help", "--save-stages",  # every case writes its stages there
+        "--list-weights"}  # test_build_list_weights_prints_the_weights
+    assert flags == covered
+
+
+def test_build_list_weights_prints_the_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gradgraph.cli.main import main as cli_main
+
+    assert cli_main(["build", EXAMPLE, "--loss", "loss", "--list-weights"]) == 0
+    printed = capsys.readouterr().out
+    assert all(w in printed for w in ("fc1_weight", "fc3_bias"))
