@@ -430,3 +430,26 @@ def test_a_parameter_removed_as_x_times_1_is_listed_not_in_the_export(tmp_path: 
     for name in ("scale", "unused"):
         assert not rows[name].trained and "x*1" in rows[name].reason and "optimize=False" in rows[name].reason
     assert rows["fc.weight"].trained and rows["fc.bias"].trained
+
+
+def test_a_merged_call_reading_another_parameters_initializer_is_split(tmp_path: Path) -> None:
+    """``gate`` (ones) is registered first, so the exporter keeps it for ln_1.weight too; the
+    merged LayerNorm reads ``gate``: its parameters are still ln_1's by its torch call, and the
+    vanished call's are ln_2's."""
+
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Parameter(torch.ones(16))
+            self.ln_1, self.ln_2 = nn.LayerNorm(16), nn.LayerNorm(16)
+            self.a, self.b = nn.Linear(16, 4), nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.a(self.ln_1(x) * self.gate) + self.b(self.ln_2(x)), y)
+
+    torch.manual_seed(0)
+    path = tmp_path / "gated.onnx"
+    got = assert_trains_like_torch(Gated(), (torch.randn(8, 16), torch.randn(8, 4)), ["x", "y"], path)
+    kept = {i.name for i in onnx.load(str(path), load_external_data=False).graph.initializer}
+    assert "gate" in kept and not {"ln_1.weight", "ln_2.weight", "ln_2.bias"} & kept, sorted(kept)
+    assert {"ln_1.weight", "ln_2.weight", "ln_2.bias"} <= set(got)

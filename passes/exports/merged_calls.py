@@ -90,12 +90,11 @@ class SplitMergedCallsPass(InPlacePass):
         modified = False
         for (value, merged), uses in merges.items():
             nodes = self._call_nodes(value)
-            reads = [v for n in nodes for v in n.inputs
-                     if v is not None and v.is_initializer() and (v.name in parameters
-                                                                   or RECOVERED_KEY in v.metadata_props)]
+            reads = list(dict.fromkeys(v for n in nodes for v in n.inputs if v is not None and v.is_initializer()
+                                       and (v.name in parameters or RECOVERED_KEY in v.metadata_props)))
             if not reads:
                 continue  # rule 2: the same function of the same values
-            names = self._names(reads, lost, uses[0][0], merged, value)
+            names = self._names(self._torch_names(nodes, reads), lost, uses[0][0], merged, value)
             if names is None:
                 continue  # rule 3c
             self._clone(graph, nodes, value, merged, uses, names)
@@ -165,9 +164,24 @@ class SplitMergedCallsPass(InPlacePass):
 
     # ---- naming -----------------------------------------------------------------------------
 
-    def _names(self, reads: list[ir.Value], lost: set[str], consumer: ir.Node, merged: str,
+    def _torch_names(self, nodes: list[ir.Node], reads: list[ir.Value]) -> dict[str, str]:
+        """Initializer name -> the torch parameter it stands for in the survivor's call: itself,
+        or (an initializer deduplicated with another parameter's, e.g. ``scale`` for a
+        LayerNorm weight of ones) the call's recorded parameters not matched, in order."""
+        recorded = [self._placeholders[p] for n in nodes if (c := fx_call(n)) is not None
+                    for p in c.placeholders() if p in self._placeholders]
+        recorded = list(dict.fromkeys(recorded))
+        spare = [fqn for fqn in recorded if fqn not in {v.name for v in reads}]
+        own: dict[str, str] = {}
+        for v in reads:
+            name = v.name or ""
+            own[name] = name if name in recorded or not spare else spare.pop(0)
+        return own
+
+    def _names(self, reads: dict[str, str], lost: set[str], consumer: ir.Node, merged: str,
                value: ir.Value) -> dict[str, str] | None:
-        leaves = {(v.name or "").rsplit(".", 1)[-1] for v in reads}
+        """Initializer the survivor reads -> the name of the clone's own copy (rules 3a-3c)."""
+        leaves = {fqn.rsplit(".", 1)[-1] for fqn in reads.values()}
         modules = {fqn.rsplit(".", 1)[0] for fqn in lost if "." in fqn}
         fits = [m for m in modules if all(f"{m}.{leaf}" in lost for leaf in leaves)]
         if not fits:
@@ -177,7 +191,7 @@ class SplitMergedCallsPass(InPlacePass):
         fits = [m for m in fits if _common_prefix(m, where) == best]
         if len(fits) == 1:
             module = fits[0]
-            names = {v.name or "": f"{module}.{(v.name or '').rsplit('.', 1)[-1]}" for v in reads}
+            names = {init: f"{module}.{fqn.rsplit('.', 1)[-1]}" for init, fqn in reads.items()}
             lost.difference_update(names.values())
             return names
         warnings.warn(
@@ -186,7 +200,7 @@ class SplitMergedCallsPass(InPlacePass):
             f"which of the modules {sorted(fits)} it belongs to, so they are named "
             f"'<parameter>{MERGED_SUFFIX}{merged}' (see --list-weights); re-export with "
             "torch.onnx.export(..., optimize=False) to keep the torch names", UserWarning, stacklevel=2)
-        return {v.name or "": f"{v.name}{MERGED_SUFFIX}{merged}" for v in reads}
+        return {init: f"{fqn}{MERGED_SUFFIX}{merged}" for init, fqn in reads.items()}
 
     # ---- cloning ----------------------------------------------------------------------------
 
@@ -210,7 +224,8 @@ class SplitMergedCallsPass(InPlacePass):
                 graph.register_initializer(own)
                 self.recovered[new] = how
             copies[old] = own
-        by_leaf = {old.rsplit(".", 1)[-1]: re.sub(r"\W", "_", f"p_{new}") for old, new in names.items()}
+        by_leaf = {new.split(MERGED_SUFFIX)[0].rsplit(".", 1)[-1]: re.sub(r"\W", "_", f"p_{new}")
+                   for new in names.values()}
         clones = []
         for node in nodes:
             inputs = [mapping.get(id(v), copies.get(v.name or "", v)) if v is not None else None
