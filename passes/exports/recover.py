@@ -3,6 +3,10 @@
 ``torch.onnx.export`` (dynamo, ``optimize=True``) runs onnxscript's optimizer, which treats
 parameters as constants. Using the export signature (see :mod:`passes.exports.signature`):
 
+0. zero biases dropped by ``RemoveOptionalBiasFrom*`` are restored
+   (:class:`~passes.exports.dropped_bias.RestoreDroppedBiasesPass`), and calls merged by its
+   CSE are cloned with their own parameters
+   (:class:`~passes.exports.merged_calls.SplitMergedCallsPass`);
 1. a parameter ``P`` folded alone into a 2-D constant ``V`` read by ``aten.linear`` nodes is
    ``V = P^T``: ``P`` is restored as an initializer and ``V`` becomes ``Transpose(P)``;
 2. parameters with equal values merged into one initializer ``X``: each use of ``X`` by a node
@@ -12,11 +16,15 @@ parameters as constants. Using the export signature (see :mod:`passes.exports.si
    exporter deduplicates equal initializers become initializers ``name`` again, unless
    ``name`` is an exporter name (``onnx::...``: the same tensor used twice);
 4. any other parameter that the graph's FX calls or folded constants name but that is no longer
-   an initializer (folded with other values, e.g. Conv+BatchNorm fusion; dropped because it
-   was zero; or an initializer that kept its name but holds folded values) cannot be
-   recovered a :class:`GradientError` names them and the export option that
-   avoids the fold; otherwise they are listed in ``self.lost`` and in the graph's
-   ``metadata_props[LOST_KEY]``.
+   an initializer (folded with other values, e.g. Conv+BatchNorm fusion or a lookup at
+   constant indices; or an initializer that kept its name but holds folded values) cannot be
+   recovered: in strict mode a :class:`GradientError` (:func:`~passes.exports.refusal.lost_error`)
+   names them and what avoids the fold; they are listed in ``self.lost`` and in the graph's
+   ``metadata_props[LOST_KEY]`` either way;
+5. a parameter that is no initializer and that nothing names (unused by forward, tied to a
+   parameter the export keeps, or removed by a no-op rule such as ``x*1`` together with its
+   record) is listed in ``self.unread`` and ``metadata_props[UNREAD_KEY]`` (``--list-weights``
+   shows it): the file cannot tell these cases apart.
 """
 
 from __future__ import annotations
