@@ -122,6 +122,10 @@ def test_sgd_through_the_torch_module_and_loss_fn_matches_torch():
         np.testing.assert_allclose(float(loss), float(want.detach()), rtol=RTOL)
     _assert_weights(trainer, ref)
     assert trainer.global_step_ == STEPS
+    fresh = _trainer(model, loss_fn=torch.nn.CrossEntropyLoss(), model_desc=desc)
+    fresh.load_state_dict(trainer.state_dict(include_optimizer_state=False))  # before the export: kept
+    x, y = _batches(1, seed=5)[0]
+    np.testing.assert_allclose(fresh.eval_step(x, y)[1].numpy(), ref(x).detach().numpy(), rtol=RTOL, atol=1e-6)
 
 
 def test_adam_with_a_per_name_map_matches_torch_adamw(onnx_net):
@@ -209,17 +213,18 @@ def test_get_lr_this_step_gives_the_learning_rate_of_global_step(onnx_net):
 
 
 def test_gradient_accumulation_averages_micro_batches(onnx_net):
-    trainer = _trainer(onnx_net, "AdamOptimizer", None, gradient_accumulation_steps=3,
+    trainer = _trainer(onnx_net, "AdamOptimizer", lambda n: {"max_norm_clip": 0.3}, gradient_accumulation_steps=3,
                        enable_grad_norm_clip=False)
     ref = Net()
     opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.0)
     batches = _batches(3 * STEPS)
-    before = trainer.state_dict()
+    before, norms = trainer.state_dict(include_optimizer_state=False), []
     for i, (x, y) in enumerate(batches):
         loss = trainer.train_step(x, y, torch.tensor([0.01]))
         assert isinstance(loss, list) and len(loss) == 2  # model_desc's outputs at every micro-step
         (ref(x, y)[0] / 3).backward()
         if i % 3 == 2:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), float("inf"))))
             opt.step()
             opt.zero_grad()
         elif i == 0:  # no update before the third micro-batch
@@ -227,6 +232,7 @@ def test_gradient_accumulation_averages_micro_batches(onnx_net):
                 np.testing.assert_array_equal(trainer.state_dict()[name].numpy(), value.numpy())
         assert trainer.global_step_ == (i + 1) // 3
     _assert_weights(trainer, ref)
+    assert max(norms) > 0.3  # enable_grad_norm_clip=False: max_norm_clip 0.3 would have clipped
 
 
 def test_frozen_weights_stay_and_the_rest_train_like_torch(onnx_net):
@@ -260,12 +266,33 @@ def test_eval_step_leaves_the_state_unchanged(onnx_net):
         np.testing.assert_array_equal(after[name], value, err_msg=name)
     assert (trainer.global_step_, trainer.current_step, engine._session.micro_step) == steps
     ref = Net()
-    ref.load_state_dict(trainer.state_dict())
-    want, logits = ref(*batches[0])
+    ref.load_state_dict(trainer.state_dict(include_optimizer_state=False))
+    with torch.no_grad():
+        want, logits = ref(*batches[0])
     np.testing.assert_allclose(float(loss), float(want), rtol=RTOL)
     np.testing.assert_allclose(both[1].numpy(), logits.detach().numpy(), rtol=RTOL, atol=1e-6)
     trainer.eval()  # __call__ follows train() / eval()
     np.testing.assert_allclose(float(trainer(*batches[0])[0]), float(want), rtol=RTOL)
+
+
+def test_state_dict_round_trip_continues_training_exactly(onnx_net):
+    batches = _batches(4)
+    first = _trainer(onnx_net, "AdamOptimizer", None, gradient_accumulation_steps=1)
+    for x, y in batches[:3]:
+        first.train_step(x, y, torch.tensor([0.01]))
+    state = first.state_dict()
+    assert {"Moment_1_fc1.weight", "Moment_2_fc2.bias", "step", "fc1.weight"} <= set(state)
+    assert set(first.state_dict(include_optimizer_state=False)) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    second = _trainer(onnx_net, "AdamOptimizer", None)
+    second.load_state_dict(state, strict=True)
+    first.train_step(*batches[3], torch.tensor([0.01]))
+    second.train_step(*batches[3], torch.tensor([0.01]))
+    for name, value in first.state_dict().items():
+        np.testing.assert_array_equal(second.state_dict()[name].numpy(), value.numpy(), err_msg=name)
+    with pytest.raises(ValueError, match=r"\['Moment_3_fc1.weight'\] are neither weights nor optimizer state"):
+        second.load_state_dict({"Moment_3_fc1.weight": state["Moment_1_fc1.weight"]})
+    with pytest.raises(ValueError, match="strict=True.*missing"):
+        second.load_state_dict({"fc1.weight": state["fc1.weight"]}, strict=True)
 
 
 # ---- mixed precision -------------------------------------------------------------------------
@@ -274,7 +301,7 @@ def test_mixed_precision_returns_all_finite_and_skips_a_bad_step(onnx_net):
     (x, y), (x2, y2) = _batches(2)
     bad = x2.clone()
     bad[0, 0] = float("nan")
-    start = {k: v.clone() for k, v in trainer.state_dict().items()}
+    start = {k: v.clone() for k, v in trainer.state_dict(include_optimizer_state=False).items()}
     first = trainer.train_step(x, y, torch.tensor([0.1]), torch.tensor([1024.0]))
     assert len(first) == 2  # mid-accumulation: no all_finite
     loss, logits, all_finite = trainer.train_step(bad, y2, torch.tensor([0.1]), loss_scale=torch.tensor([1024.0]))

@@ -63,6 +63,7 @@ _PER_WEIGHT = {"SGDOptimizer": (),
 _GLOBAL = {"SGDOptimizer": {}, "AdamOptimizer": {"max_norm_clip": 1.0, "weight_decay_mode": 0},
            "LambOptimizer": {"max_norm_clip": 1.0}}
 _DEFAULT_LOSS_SCALE_NAME = "default_loss_scale_input_name"
+_SHARED = "shared_optimizer_state"  # the newer trainer's state_dict entry of the shared state
 
 
 class LossScaler:
@@ -433,35 +434,73 @@ class ORTTrainer:
         return tensors[0] if len(tensors) == 1 else tensors
 
     # ---- state --------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained and frozen weights by name (the module's names for a torch model)."""
-        return self._engine.state_dict(pytorch_format=True)
+    def state_dict(self, include_optimizer_state: bool = True) -> dict[str, torch.Tensor]:
+        """The weights by name (a torch model's: the keys of its own ``state_dict()``) and, with
+        ``include_optimizer_state``, each weight's optimizer state as ``<kind>_<weight>``
+        (``Moment_1_fc1.weight``, ``Moment_2_...``, ``Gradient_Accumulation_Buffer_...``) and the
+        shared state (``step``, ``loss_scale``) under its name."""
+        engine = self._engine
+        state = dict(engine.state_dict(pytorch_format=True))
+        if include_optimizer_state and engine._session is not None:
+            for key, (weight, kind) in self._optimizer_keys().items():
+                entry = engine.state_dict()["optimizer"][weight]
+                state[key] = torch.from_numpy(np.array(entry[kind]))
+        return state
+
+    def _optimizer_keys(self) -> dict[str, tuple[str, str]]:
+        """``state_dict()``'s optimizer keys -> (the newer trainer's weight entry, its kind)."""
+        engine = self._engine
+        keys = {}
+        for weight, entry in engine.state_dict()["optimizer"].items():
+            for kind in entry:
+                if kind != "Update_Count":  # Adam's: the shared step, read back from it
+                    name = kind if weight == _SHARED else f"{kind}_{engine._torch_names.get(weight, weight)}"
+                    keys[name] = (weight, kind)
+        return keys
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = False) -> None:
-        """Load weights by name (as ``state_dict()`` gives them); ``strict``: all of them."""
+        """Load what ``state_dict()`` gives (before the first step too: applied once built);
+        ``strict``: all of it. A key the model does not hold is refused, named."""
         engine = self._engine
-        self._require("load_state_dict")
         session = engine._session
-        assert session is not None
+        if session is None:
+            engine._pending = lambda: self.load_state_dict(state_dict, strict)
+            return
         graph_of = {torch_name: graph for graph, torch_name in engine._torch_names.items()}
-        weights = {graph_of.get(k, k): np.asarray(v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v)
-                   for k, v in state_dict.items()}
-        unknown = sorted(set(weights) - set(session.artifacts.params) - engine._frozen_graph_names())
+        held = set(session.artifacts.params) | engine._frozen_graph_names()
+        module_only = set(engine._torch_model.state_dict()) if engine._torch_model is not None else set()
+        optimizer_keys = self._optimizer_keys()
+        weights: dict[str, np.ndarray] = {}
+        optimizer: dict[str, dict[str, np.ndarray]] = {}
+        unknown = []
+        for key, value in state_dict.items():
+            array = np.array(value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value)
+            if graph_of.get(key, key) in held:
+                weights[graph_of.get(key, key)] = array
+            elif key in optimizer_keys:
+                weight, kind = optimizer_keys[key]
+                optimizer.setdefault(weight, {})[kind] = array
+            elif key in module_only:  # the module's own (num_batches_tracked): not in the graph
+                assert engine._torch_model is not None
+                with torch.no_grad():
+                    engine._torch_model.state_dict()[key].copy_(torch.from_numpy(array))
+            else:
+                unknown.append(key)
         if unknown:
-            raise ValueError(f"ORTTrainer.load_state_dict: {unknown[:4]} are not weights of the model")
-        nested = {"model": {"full_precision": weights}}
+            raise ValueError(f"ORTTrainer.load_state_dict: {unknown[:4]} are neither weights nor optimizer "
+                             f"state of this trainer{close_matches(unknown[0], list(self.state_dict()))}")
         if strict:
-            engine._check_complete(weights, session.artifacts.params)
+            missing = sorted(set(self.state_dict(include_optimizer_state=bool(optimizer))) - set(state_dict))
+            if missing:
+                raise ValueError(f"ORTTrainer.load_state_dict(strict=True): {missing[:4]} are missing")
+        nested: dict[str, Any] = {"model": {"full_precision": weights}}
+        if optimizer:
+            nested["optimizer"] = optimizer
         engine.load_state_dict(nested, strict=False)
 
     def save_as_onnx(self, path: str | os.PathLike) -> None:
         """The training graph with the current state (see the newer trainer's ``save_as_onnx``)."""
         self._engine.save_as_onnx(path)
-
-    def _require(self, what: str) -> None:
-        if self._engine._session is None:
-            raise RuntimeError(f"ORTTrainer.{what}: the model is not built yet (run train_step or "
-                               "eval_step once first)")
 
 
 def _number(what: str, value: Any) -> float:
