@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_training  # noqa: E402 - tools/ is not a package
 from timing import run_child  # noqa: E402
 
-MODELS = ("mlp", "bert", "gpt2")  # the training benchmark's
+MODELS = bench_training.MODELS  # the training benchmark's
 
 
 def _pass_class(path: str) -> type:

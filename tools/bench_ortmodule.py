@@ -4,7 +4,9 @@
                                     [--device cpu|cuda]
 
 Models: the peer's BERT-like and GPT-2-like modules (../shared/peer/models_def.py: 4 layers,
-hidden 256, seq 128, batch 8, dropout 0.1 active), each returning its loss. One step =
+hidden 256, seq 128, batch 8, dropout 0.1 active), each returning its loss; also any model of
+the training benchmark (tools/bench_training.py's MODELS: the peer's ``mlp`` and ``cnn``, and
+tools/cnn_models.py's ``resnet18`` and ``mobilenetv2``, batch 32 x 3 x 32 x 32). One step =
 ``loss = model(*batch); loss.backward(); AdamW step; zero_grad`` with the same torch optimizer
 for both peers: plain module (``torch``) and ``gradgraph.torch.ORTModule(module)``
 (``ortmodule``). The peers alternate in rounds, each run in its own process (so a slow minute
@@ -45,10 +47,10 @@ def child(name: str, peer: str, args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(PEER))
-    import models_def  # noqa: PLC0415 - the peer's module, found at run time
+    import bench_training  # noqa: PLC0415 - tools/ is on sys.path
 
-    module, batch, _ = models_def.build(name)
+    module, batch, _ = bench_training.build_model(name)
+    module.train()
     device = torch.device(args.device)
     module.to(device).train()
     batch = tuple(t.to(device) for t in batch)
@@ -115,7 +117,7 @@ def main() -> None:
         print(f"WARNING: GEMM peak not measured: {gemm.get('error')}")
     env_note = f"{args.device}, {args.threads} threads, {args.rounds} rounds, median of {args.reps} steps after {args.warmup} warm-ups"
     print(f"training step (forward + backward + torch AdamW), {env_note}")
-    print(f"{'model':<6} {'torch ms':>9} {'ortmodule ms':>12} {'ratio (min-max)':>22} "
+    print(f"{'model':<11} {'torch ms':>9} {'ortmodule ms':>12} {'ratio (min-max)':>22} "
           f"{'first call s':>12} {'peak RSS MB torch / ortmodule':>30}")
     for name in args.models.split(","):
         rounds: list[dict[str, dict]] = []
@@ -135,7 +137,7 @@ def main() -> None:
         med = {p: statistics.median(r[p]["median_ms"] for r in good) for p in PEERS}
         first = statistics.median(r["ortmodule"]["first_s"] for r in good)
         rss = {p: max(r[p]["peak_rss_mb"] for r in good) for p in PEERS}
-        print(f"{name:<6} {med['torch']:>9.1f} {med['ortmodule']:>12.1f} "
+        print(f"{name:<11} {med['torch']:>9.1f} {med['ortmodule']:>12.1f} "
               f"{statistics.median(ratios):>8.2f} ({min(ratios):.2f}-{max(ratios):.2f})      "
               f"{first:>12.1f} {rss['torch']:>14.0f} / {rss['ortmodule']:.0f}")
         for peer in PEERS:

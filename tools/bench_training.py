@@ -6,7 +6,10 @@
 
 Same models, batches and optimizer settings for every peer: the peer definitions in ../shared/peer/
 models_def.py (MLP 784-512-512-10 batch 64; BERT-like 4 layers hidden 256 seq 128 batch 8;
-GPT-2-like 4 layers n_embd 256 seq 128 batch 8; dropout active), exported once per model with
+GPT-2-like 4 layers n_embd 256 seq 128 batch 8; dropout active; ``cnn``: 3 x [Conv3x3 no bias,
+BatchNorm, ReLU, MaxPool2] + Linear, batch 32 x 3 x 32 x 32) and, for the CNNs the peer lacks,
+tools/cnn_models.py (``resnet18``: a ResNet-18-style net at 32 x 32, ``mobilenetv2``: a
+MobileNetV2-style net with depthwise convs; batch 32 x 3 x 32 x 32), exported once per model with
 the legacy exporter in training mode, AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-6, weight decay 0),
 --threads threads (intra-op; inter-op 1). A step is forward + backward + optimizer update.
 
@@ -76,6 +79,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 LR, EPS = 1e-3, 1e-6
 PEERS = ("gradgraph", "torch", "onnxruntime-training")
+# The peer's models (../shared/peer/models_def.py) and the CNNs of tools/cnn_models.py.
+MODELS = ("mlp", "bert", "gpt2", "cnn", "resnet18", "mobilenetv2")
 RATIOS = (("torch", "gradgraph / torch"), ("onnxruntime-training", "gradgraph / ort-training"))
 GEMM_N, GEMM_WARMUP, GEMM_REPS = 2048, 3, 10
 
@@ -85,6 +90,19 @@ def _peer_models():
     import models_def  # noqa: PLC0415 - the peer's module, found at run time
 
     return models_def
+
+
+def build_model(name: str) -> tuple:
+    """(module, inputs, input names) of a benchmark model: the peer's builder, or one of
+    tools/cnn_models.py (the CNNs the peer lacks)."""
+    import cnn_models  # noqa: PLC0415 - tools/ is on sys.path
+
+    if name in cnn_models.BUILDERS:
+        return cnn_models.BUILDERS[name]()
+    builder = getattr(_peer_models(), f"build_{name}", None)
+    if builder is None:
+        raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return builder()
 
 
 def _trainable(model) -> list[str]:
@@ -129,8 +147,7 @@ def child_export(name: str, out_dir: str) -> dict:
     import numpy as np
     import torch
 
-    models_def = _peer_models()
-    module, inputs, input_names = getattr(models_def, f"build_{name}")()
+    module, inputs, input_names = build_model(name)
     with torch.no_grad():  # keep bit-identical fresh parameters from being merged by the exporter
         for p in module.parameters():
             p.add_(torch.randn_like(p) * 1e-4)
@@ -150,7 +167,7 @@ def child_flops(name: str, args) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     torch.set_num_threads(args.threads)
-    module, inputs, _ = getattr(_peer_models(), f"build_{name}")()
+    module, inputs, _ = build_model(name)
     module.train()
     with FlopCounterMode(display=False) as counter:
         module(*inputs).backward()
@@ -259,8 +276,7 @@ def child_torch(name: str, out_dir: str, args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    models_def = _peer_models()
-    module, inputs, _ = getattr(models_def, f"build_{name}")()
+    module, inputs, _ = build_model(name)
     module.load_state_dict(torch.load(os.path.join(out_dir, f"{name}.pt")))
     device = "cuda" if args.provider == "cuda" else "cpu"
     module.to(device).train()

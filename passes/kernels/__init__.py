@@ -14,6 +14,7 @@ is for a caller that feeds a training Dropout's noise (ORTModule), before the gr
 from onnx_ir.passes import PassBase
 
 from passes.kernels.batch_norm_training import DecomposeTrainingBatchNormPass
+from passes.kernels.conv_weight_gemm import ConvGemmOptions, ConvWeightGemmPass
 from passes.kernels.dropout_noise import NOISE_KEY, DropoutNoisePass, NoiseInput, noise_inputs
 from passes.kernels.gelu import GeluFusionPass
 from passes.kernels.scatter_accumulate import ScatterAddIntoSumPass
@@ -27,8 +28,8 @@ def kernel_passes(gradient: bool = True) -> list[PassBase]:
     their pattern in gradient graphs only are left out when False)."""
     if not gradient:
         return [SplitSoftmaxCrossEntropyPass()]
-    return [SplitSoftmaxCrossEntropyPass(), ScatterAddIntoSumPass()]
+    return [SplitSoftmaxCrossEntropyPass(), ScatterAddIntoSumPass(), ConvWeightGemmPass()]
 
 
-__all__ = ["DecomposeTrainingBatchNormPass", "DropoutNoisePass", "GeluFusionPass", "ScatterAddIntoSumPass", "SplitSoftmaxCrossEntropyPass", "ValidRowsLossPass", "WholeScoresLossPass",
+__all__ = ["ConvGemmOptions", "ConvWeightGemmPass", "DecomposeTrainingBatchNormPass", "DropoutNoisePass", "GeluFusionPass", "ScatterAddIntoSumPass", "SplitSoftmaxCrossEntropyPass", "ValidRowsLossPass", "WholeScoresLossPass",
            "NOISE_KEY", "NoiseInput", "kernel_passes", "noise_inputs"]

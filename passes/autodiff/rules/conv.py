@@ -107,9 +107,11 @@ def _strided(b, values: list[int]):
 # ---- the two adjoints ----------------------------------------------------------------------
 
 
-def _input_grad(b, go, kernel, in_sp, pb, eff_k, strides, dilations, group=1):
-    """Adjoint of ``Conv(pad(x), kernel)`` w.r.t. x (pads given by ``pb``, runtime sizes)."""
-    full = (_spatial(b, go) - 1) * _strided(b, strides) + eff_k
+def _input_grad(b, go, kernel, in_sp, pb, eff_k, strides, dilations, group=1, full=None):
+    """Adjoint of ``Conv(pad(x), kernel)`` w.r.t. x (pads given by ``pb``, runtime sizes unless
+    ``full`` is given)."""
+    if full is None:
+        full = (_spatial(b, go) - 1) * _strided(b, strides) + eff_k
     spread = b.ConvTranspose(go, kernel, strides=strides, dilations=dilations, group=group)
     return _pad_spatial(b, spread, -pb, in_sp + pb - full)
 
@@ -147,18 +149,51 @@ def _conv_geometry(b, n, go):
     return dims, strides, dilations, n.attr("group", 1), _spatial(b, x), _spatial(b, go), eff_k
 
 
+def _static_conv_geometry(n, x, w):
+    """(in, begin pads, full, eff_k) as int64 arrays when x's and w's spatial dims are static
+    (the sizes the runtime branch computes; constants let shape inference see the padded
+    input, which passes.kernels.conv_weight_gemm needs), else None."""
+    if x.shape is None or w.shape is None or x.rank is None or w.rank != x.rank:
+        return None
+    spatial = list(x.shape)[_LEAD:] + list(w.shape)[_LEAD:]
+    if not all(isinstance(d, int) for d in spatial):
+        return None
+    dims = x.rank - _LEAD
+    in_sp, kernel = np.array(spatial[:dims], np.int64), np.array(spatial[dims:], np.int64)
+    strides = np.array(_ints(n, "strides", dims, 1), np.int64)
+    eff_k = (kernel - 1) * np.array(_ints(n, "dilations", dims, 1), np.int64) + 1
+    auto_pad = n.attr("auto_pad", "NOTSET")
+    if auto_pad in _SAME:
+        out = -(-in_sp // strides)
+        total = np.maximum((out - 1) * strides + eff_k - in_sp, 0)
+        pb = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+    else:
+        pads = np.array(_ints(n, "pads", 2 * dims, 0), np.int64) if auto_pad != "VALID" else np.zeros(2 * dims, np.int64)
+        pb = pads[:dims]
+        out = (in_sp + pads[:dims] + pads[dims:] - eff_k) // strides + 1
+    if np.any(out < 1):
+        return None
+    return in_sp, pb, (out - 1) * strides + eff_k, eff_k
+
+
 @grad_rule("Conv")
 def _conv(b, n, g):
     """dX: unpadded ConvTranspose, then crop; dW: correlation of padded X with dY."""
     x, w, go = n.inputs[0], n.inputs[1], g[0]
     dims, strides, dilations, group, in_sp, out_sp, eff_k = _conv_geometry(b, n, go)
-    pb = _begin_pads(b, n, dims, in_sp, out_sp, eff_k, _strided(b, strides))
+    static = _static_conv_geometry(n, x, w)
+    if static is None:
+        pb = _begin_pads(b, n, dims, in_sp, out_sp, eff_k, _strided(b, strides))
+        full = (out_sp - 1) * _strided(b, strides) + eff_k
+        pe = full - in_sp - pb
+    else:
+        pe = b.const(static[2] - static[0] - static[1])
+        in_sp, pb, full, eff_k = (b.const(v) for v in static)
     grads = [None] * len(n.inputs)
     if n.needs_grad(0):
-        grads[0] = _input_grad(b, go, w, in_sp, pb, eff_k, strides, dilations, group)
+        grads[0] = _input_grad(b, go, w, in_sp, pb, eff_k, strides, dilations, group, full)
     if n.needs_grad(1):
-        full = (out_sp - 1) * _strided(b, strides) + eff_k
-        x_padded = _pad_spatial(b, x, pb, full - in_sp - pb)
+        x_padded = _pad_spatial(b, x, pb, pe)
         grads[1] = _correlate(b, x_padded, go, group, dilations, strides, dims)
     if n.needs_grad(2):
         grads[2] = _bias_grad(b, go, dims)
@@ -249,13 +284,84 @@ def _scalar_tensor(value: float, dtype):
     return ir.tensor(np.array([value], dtype=dtype.numpy()))
 
 
+# ---- pools whose windows tile the input (kernel == stride) --------------------------------
+
+
+def _tiled(n) -> list[int] | None:
+    """The kernel of a pool whose windows tile the input without overlap or padding (kernel ==
+    strides, no dilation, zero pads, NOTSET or VALID), else None. Its backward needs no scatter
+    nor ConvTranspose: each window is an axis pair of a reshape of x."""
+    kernel = list(n.attr("kernel_shape") or [])
+    dims = len(kernel)
+    if not kernel or _ints(n, "strides", dims, 1) != kernel or any(d != 1 for d in _ints(n, "dilations", dims, 1)):
+        return None
+    if n.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or any(_ints(n, "pads", 2 * dims, 0)):
+        return None
+    if n.attr("ceil_mode", 0):  # a last, partial window: the general rule
+        return None
+    return kernel
+
+
+class _Tiles:
+    """x cropped to the rows and columns the windows cover (none where x's static sizes are
+    multiples of the kernel), a way to fill each window with one value of the output's shape,
+    and the way back to x's shape (zero gradient where no window reaches: the pool drops it)."""
+
+    def __init__(self, b, x, go, kernel: list[int]):
+        self.b, self.x, self.kernel = b, x, kernel
+        dims = len(kernel)
+        spatial = list(x.shape)[_LEAD:] if x.shape is not None else None
+        self.exact = spatial is not None and all(isinstance(d, int) and d % k == 0
+                                                 for d, k in zip(spatial, kernel, strict=True))
+        self.cropped, self.covered = x, None
+        if not self.exact:
+            self.covered = _spatial(b, go) * _strided(b, kernel)
+            zero = b.const(np.zeros(dims, np.int64))
+            self.cropped = b.Slice(x, zero, self.covered, list(range(_LEAD, _LEAD + dims)))
+
+    def upsample(self, v):
+        """y-like -> the cropped x's shape, each window filled with its value (a nearest Resize:
+        onnxruntime's Expand copies an inner broadcast axis one element at a time, 10x slower)."""
+        scales = self.b.const(np.array([1.0, 1.0, *self.kernel], np.float32))
+        return self.b.Resize(v, None, scales, mode="nearest", coordinate_transformation_mode="asymmetric",
+                             nearest_mode="floor")
+
+    def back(self, flat):
+        """The cropped x's shape -> x's, zeros where no window reaches."""
+        if self.exact:
+            return flat
+        b = self.b
+        zero = b.const(np.zeros(len(self.kernel), np.int64))
+        return _pad_spatial(b, flat, zero, _spatial(b, self.x) - self.covered)
+
+
+def _first_max_mask(b, tiles, y):
+    """True at the first (row-major) position of each window that holds its maximum ``y``, the
+    one torch's and onnxruntime's max pools pick: a tie (the zeros after a ReLU) passes the
+    gradient once. Among the hits, each scores ``taps - index`` (a kernel-shaped pattern tiled
+    by Resize); the highest score (a MaxPool of the scores) wins."""
+    kernel = tiles.kernel
+    taps = int(np.prod(kernel))
+    pattern = (taps - np.arange(taps)).astype(np.float32).reshape([1, 1, *kernel])
+    priority = b.Tile(b.const(pattern), b.Concat(b.const(np.ones(_LEAD, np.int64)),
+                                               b.Slice(b.Shape(y), [_LEAD], [_TO_END]), axis=0))
+    score = b.CastLike(b.Equal(tiles.cropped, tiles.upsample(y)), priority) * priority
+    best = b.MaxPool(score, kernel_shape=kernel, strides=kernel)
+    return b.Equal(score, tiles.upsample(best))
+
+
 @grad_rule("AveragePool")
 def _average_pool(b, n, g):
-    """dX = window-sum adjoint of dY / count (count of in-bounds taps, or of taps in the pads too).
+    """dX = window-sum adjoint of dY / count (count of in-bounds taps, or of taps in the pads too);
+    windows that tile x (kernel == stride, no pads): dY / taps expanded over each window.
 
     A dilated window can hold padding only (count 0, y = 0): its dY reaches no input; a count
     of 1 keeps it finite (not inf) on its way into the pads that are cropped away.
     """
+    kernel = _tiled(n)
+    if kernel is not None:
+        tiles = _Tiles(b, n.inputs[0], g[0], kernel)
+        return [tiles.back(tiles.upsample(g[0] / float(np.prod(kernel))))]
     pool = _Pool(b, n, g[0])
     counts = pool.window_counts(bool(n.attr("count_include_pad", 0)))
     if pool.may_miss_input():
@@ -275,11 +381,18 @@ def _lp_pool(b, n, g):
 
 @grad_rule("MaxPool")
 def _max_pool(b, n, g):
-    """Scatter-add dY at the argmax positions (the Indices output, or a re-run that makes it;
-    with storage_order=1 the Indices are column-major, so the re-run asks for row-major ones)."""
+    """Windows that tile x (kernel == stride): dY where x is its window's first maximum
+    (:func:`_first_max_mask`). Else scatter-add dY at the argmax positions (the Indices output,
+    or a re-run that makes it; with storage_order=1 the Indices are column-major, so the re-run
+    asks for row-major ones)."""
     if g[0] is None:
         return [None]
     x, go = n.inputs[0], g[0]
+    kernel = _tiled(n)
+    if kernel is not None:
+        tiles = _Tiles(b, x, go, kernel)
+        mask = _first_max_mask(b, tiles, n.outputs[0])
+        return [tiles.back(b.CastLike(mask, go) * tiles.upsample(go))]
     if n.has_output(1) and n.attr("storage_order", 0) == 0:
         indices = n.outputs[1]
     else:

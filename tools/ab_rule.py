@@ -1,0 +1,99 @@
+"""One gradient-rule helper's effect on the training step, measured in one process (as ab_pass.py).
+
+    python tools/ab_rule.py FUNCTION [--models cnn] [--pairs 30] [--warmup 3] [--threads 2]
+
+FUNCTION names a module-level function that a gradient rule consults to pick a faster form and
+that returning None turns off, e.g. ``passes.autodiff.rules.conv._tiled`` (pools whose windows
+tile the input: backward without scatter or ConvTranspose). Two TrainingSessions of each
+benchmark model (tools/bench_training.py) are built, one as the build makes it, one with the
+function patched to return None; their steps alternate (A B, B A, ...), --pairs pairs after
+--warmup steps each; printed are the median steps and the median of the per-pair ratios with /
+without (below 1: the form is faster), with their min-max. onnxruntime's threads do not spin
+between runs (see ab_pass.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_training  # noqa: E402 - tools/ is not a package
+from timing import run_child  # noqa: E402
+
+
+def _target(path: str) -> tuple[object, str]:
+    module_name, _, name = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except (ImportError, ValueError) as exc:
+        raise SystemExit(f"cannot import {module_name!r} ({exc}); name the function as module.function") from None
+    if not callable(getattr(module, name, None)):
+        raise SystemExit(f"{path!r} is no function of {module_name}")
+    return module, name
+
+
+def measure(name: str, out_dir: str, module: object, attr: str, args) -> None:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads = args.threads, 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    original = getattr(module, attr)
+    with_form, feeds, _, _ = bench_training._gradgraph_session(name, out_dir, args, opts)
+    setattr(module, attr, lambda *a, **k: None)
+    try:
+        without, _, _, _ = bench_training._gradgraph_session(name, out_dir, args, opts)
+    finally:
+        setattr(module, attr, original)
+    if len(with_form.artifacts.train.graph.node) == len(without.artifacts.train.graph.node):
+        print(f"WARNING: {name}: both training graphs have the same node count: {attr} may not apply",
+              flush=True)
+    sessions = {"with": with_form, "without": without}
+    times: dict[str, list[float]] = {key: [] for key in sessions}
+    for session in sessions.values():
+        for _ in range(args.warmup):
+            session.train_step(feeds, lr=bench_training.LR)
+    for i in range(args.pairs):
+        for key in (("with", "without") if i % 2 == 0 else ("without", "with")):
+            start = time.perf_counter()
+            sessions[key].train_step(feeds, lr=bench_training.LR)
+            times[key].append(time.perf_counter() - start)
+    ratios = [a / b for a, b in zip(times["with"], times["without"], strict=True)]
+    print(f"{name}: with {1e3 * statistics.median(times['with']):.1f} ms, without "
+          f"{1e3 * statistics.median(times['without']):.1f} ms; ratio with / without "
+          f"{statistics.median(ratios):.3f} (min-max {min(ratios):.3f}-{max(ratios):.3f}, "
+          f"{args.pairs} pairs)", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("function", metavar="FUNCTION")
+    parser.add_argument("--models", default="cnn")
+    parser.add_argument("--pairs", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    args.provider = "cpu"
+    if args.pairs < 1 or args.warmup < 0 or args.threads < 1:
+        raise SystemExit("--pairs and --threads must be >= 1, --warmup >= 0")
+    module, attr = _target(args.function)
+    with tempfile.TemporaryDirectory(prefix="gradgraph_ab_") as out_dir:
+        for name in args.models.split(","):
+            if name not in bench_training.MODELS:
+                raise SystemExit(f"unknown model {name!r}; known: {', '.join(bench_training.MODELS)}")
+            print(f"{name}: export ...", file=sys.stderr, flush=True)
+            export = run_child([sys.executable, str(Path(__file__).resolve().parent / "bench_training.py"),
+                                "--child", "export", "--model", name, "--dir", out_dir])
+            if not export.get("ok"):
+                raise SystemExit(f"{name}: export failed: {export.get('error')}")
+            measure(name, out_dir, module, attr, args)
+
+
+if __name__ == "__main__":
+    main()
