@@ -11,7 +11,7 @@ import onnx_ir as ir
 from onnx_ir.passes import Sequential
 
 from gradgraph.compat import for_runtime
-from gradgraph.io import atomic_write_bytes, load_model
+from gradgraph.io import atomic_write_bytes, load_model, model_proto
 from gradgraph.pipeline import Pipeline, Stage
 from gradgraph.validate import check_names, unknown_names
 from passes.autodiff import GradientError, GradientOptions
@@ -46,7 +46,8 @@ def build_gradient_graph(
     save_stages: str | os.PathLike | None = None,
     target_ir_version: int | None = None,
     max_opset: int | None = None,
-) -> onnx.ModelProto:
+    as_ir: bool = False,
+) -> Any:
     """Return ``model`` plus the gradient of ``loss`` w.r.t. ``weights_to_train``.
 
     The result keeps the forward inputs, initializers and outputs, and adds one
@@ -62,6 +63,9 @@ def build_gradient_graph(
     (onnxruntime 1.19, the last onnxruntime-training, reads IR <= 10 and opset <= 21): the
     forward model is converted down to ``max_opset`` first, so the gradient rules emit ops
     valid there, and the result's IR version is lowered (see :func:`gradgraph.compat.for_runtime`).
+
+    ``as_ir``: return the ``onnx_ir.Model`` instead (tensors of a model over 1 GiB stay in
+    their external data files; save it with :func:`gradgraph.io.save_model`).
     """
     if weights_to_train is not None:
         if not isinstance(weights_to_train, (str, bytes)):
@@ -79,6 +83,9 @@ def build_gradient_graph(
         known = set(ir_model.graph.initializers) | {v.name for v in ir_model.graph.inputs if v.name}
         unknown_names("weights_to_train", weights_to_train, known)
     targeting = target_ir_version is not None or max_opset is not None
+    if targeting and as_ir:
+        raise GradientError("as_ir returns the IR model as built: give target_ir_version / "
+                            "max_opset without it")
     if targeting:
         limits = {"max_ir_version": target_ir_version if target_ir_version is not None else 10**6,
                   "max_opset": max_opset if max_opset is not None else 10**6}
@@ -87,7 +94,9 @@ def build_gradient_graph(
     options = GradientOptions(allow_unused=allow_unused, seed_from_input=seed_from_input)
     pipeline = gradient_pipeline(loss, weights, options, loss_reduction)
     result = pipeline.run(ir_model, save_dir=save_stages)
-    proto = ir.to_proto(result)
+    if as_ir:  # gradgraph grad: saved without a ModelProto holding the weights (models over 2 GB)
+        return result
+    proto = model_proto(result)
     return for_runtime(proto, **limits) if targeting else proto
 
 

@@ -38,12 +38,13 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from gradgraph.io import load_model
+from gradgraph import external
+from gradgraph.io import load_model, model_proto
 from passes.autodiff.errors import GradientError, unwrap_pass_errors
 from passes.batching import BATCH_ERROR, DynamicBatchPass, batch_error, select_batch_inputs
 from passes.cleanup import RANDOM_OPS
 
-__all__ = ["BATCH_ERROR", "make_batch_dynamic"]
+__all__ = ["BATCH_ERROR", "batch_dynamic_ir", "make_batch_dynamic"]
 
 _VALUE_PRESERVING = frozenset({"Cast", "Concat", "Expand", "Flatten", "Identity", "Reshape",
                                "SequenceAt", "Slice", "Split", "SplitToSequence", "Squeeze", "Tile",
@@ -61,8 +62,20 @@ def make_batch_dynamic(
     """The model with a symbolic batch ``dim_name`` on its batched inputs (see
     ``passes.batching.dynamic_batch`` for which inputs and which constants), verified at three
     batch sizes. A model without a static batch is returned unchanged."""
+    return model_proto(batch_dynamic_ir(model, batch_inputs, dim_name=dim_name, seed=seed))
+
+
+def batch_dynamic_ir(
+    model: onnx.ModelProto | ir.Model | bytes | str | os.PathLike,
+    batch_inputs: Sequence[str] | None = None,
+    *,
+    dim_name: str = "batch",
+    seed: int = 0,
+) -> ir.Model:
+    """:func:`make_batch_dynamic` as an ``onnx_ir.Model``: the tensors are the loaded model's
+    (a model over 1 GiB keeps them in its external data files; no ModelProto holds them)."""
     working = load_model(model)  # a copy: the caller's model is never edited
-    original = ir.to_proto(working)
+    original = working.clone(deep_copy=True)  # the graph copied, the tensors shared
     size, chosen = select_batch_inputs(working.graph, batch_inputs)
     names = [v.name or "" for v in chosen]
     try:
@@ -72,27 +85,33 @@ def make_batch_dynamic(
         if isinstance(error, GradientError):
             raise error from None
         raise batch_error(names, f"the batch analysis failed ({type(exc).__name__}: {exc})") from exc
-    dynamic = ir.to_proto(working)
     if result.modified and size == 1:
         warnings.warn(f"{names} were exported with batch 1, where the batch cannot always be told from "
                       "other sizes of 1 (torch.export drops a division by the batch size, x / 1): "
                       "export with a batch of 2 or more, or with a dynamic batch", stacklevel=2)
     if result.modified:
-        _Verifier(original, dynamic, working.graph, names, size, dim_name, seed).run()
-    return dynamic
+        _Verifier(original, working, names, size, dim_name, seed).run()
+    return working
+
+
+def _dims(value: ir.Value) -> list[int | str] | None:
+    """A value's declared dims: ints, symbolic names ("" when unnamed: 0 as in a proto), None
+    without a shape."""
+    if value.shape is None:
+        return None
+    return [d if isinstance(d, int) else (d.value or 0) for d in value.shape]  # type: ignore[misc]
 
 
 class _Verifier:
-    def __init__(self, original: onnx.ModelProto, dynamic: onnx.ModelProto, graph: ir.Graph,
-                 names: list[str], size: int, dim_name: str, seed: int) -> None:
+    def __init__(self, original: ir.Model, dynamic: ir.Model, names: list[str], size: int,
+                 dim_name: str, seed: int) -> None:
         self.names, self.size, self.dim_name = names, size, dim_name
         self.rng = np.random.default_rng(seed)
         self.original, self.dynamic = _session(original, names), _session(dynamic, names)
+        graph = dynamic.graph
         self.inputs = [v for v in graph.inputs if not v.is_initializer()]
         self.bounds = {v.name: _index_bound(v) for v in self.inputs}
-        self.outputs = [(o.name, [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
-                         if o.type.tensor_type.HasField("shape") else None)
-                        for o in dynamic.graph.output]
+        self.outputs = [(o.name, _dims(o)) for o in graph.outputs]
         self.random = any(_is_random(n) for n in graph)
 
     def fail(self, reason: str) -> GradientError:
@@ -158,11 +177,11 @@ class _Verifier:
         return feeds
 
 
-def _session(proto: onnx.ModelProto, names: list[str]) -> ort.InferenceSession:
+def _session(model: ir.Model, names: list[str]) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.log_severity_level = 4  # failures are raised and reported by us, not logged twice
-    try:
-        return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    try:  # the weights injected as OrtValues over the model's arrays (no 2 GB protobuf)
+        return external.inference_session(model, options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001
         raise batch_error(names, f"onnxruntime cannot load the model ({exc})") from None
 

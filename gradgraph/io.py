@@ -18,12 +18,13 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import onnx
 import onnx_ir as ir
 from onnx import version_converter
 
+from gradgraph import external
 from gradgraph.compat import proto_graphs
 from gradgraph.model_check import check_model_proto
 from passes.autodiff import GradientError
@@ -31,10 +32,10 @@ from passes.autodiff import GradientError
 MIN_OPSET = 13
 
 
-def _upgrade(proto: onnx.ModelProto, source: str) -> onnx.ModelProto:
+def _upgrade(proto: onnx.ModelProto, source: str, external_ok: bool = False) -> onnx.ModelProto:
     """Check the graph's structure, then convert models below opset 13 (the oldest the rules
     target) with onnx's version converter."""
-    check_model_proto(proto, source)
+    check_model_proto(proto, source, external_ok=external_ok)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
     if opset >= MIN_OPSET:
         return proto
@@ -48,9 +49,15 @@ def _upgrade(proto: onnx.ModelProto, source: str) -> onnx.ModelProto:
         ) from exc
 
 
-def _from_proto(proto: onnx.ModelProto, source: str) -> ir.Model:
+def _from_proto(proto: onnx.ModelProto, source: str, folder: Path | None = None) -> ir.Model:
+    """The checked, upgraded IR of ``proto``; ``folder``: its external data (checked by the
+    caller) stays in the files there, read when used (see :mod:`gradgraph.external`)."""
     try:
-        return ir.from_proto(_upgrade(proto, source))
+        if folder is None:
+            return ir.from_proto(_upgrade(proto, source))
+        model = ir.from_proto(_upgrade(proto, source, external_ok=True))
+        ir.external_data.set_base_dir(model.graph, folder)
+        return model
     except GradientError:
         raise
     except Exception as exc:  # noqa: BLE001 - onnx_ir's deserializer raises several types
@@ -72,6 +79,9 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
     if isinstance(program_model, ir.Model):
         model = program_model
     if isinstance(model, ir.Model):  # passes edit in place: work on a copy
+        if external.is_large(model):  # a copy sharing the tensors; the graph checked without them
+            check_model_proto(external.session_parts(model)[0], "the model", external_ok=True)
+            return model.clone(deep_copy=True)
         return _from_proto(ir.to_proto(model), "the model")
     if isinstance(model, onnx.ModelProto):
         return _from_proto(model, "the model")
@@ -96,7 +106,12 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
             "into its module, compute the loss in forward, and export that: torch.onnx.export("
             "module, example_args, 'model.onnx', dynamo=True, optimize=False)")
     try:
-        proto = onnx.load(str(path))
+        proto = onnx.load(str(path), load_external_data=False)
+        if external.check_external_data(proto, path) >= external.EXTERNAL_DATA_THRESHOLD:
+            return _from_proto(proto, f"model file {str(path)!r}", folder=path.parent.resolve())
+        onnx.load_external_data_for_model(proto, str(path.parent))
+    except GradientError:
+        raise
     except Exception as exc:  # noqa: BLE001
         missing = _missing_external_data(path)
         if missing:
@@ -213,11 +228,20 @@ def _new_temp_beside(target: Path) -> tuple[int, str, list[Path]]:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temp file beside ``path`` (a new, unique name: never a file or link
     that exists), fsync, rename over ``path``, then fsync the folder."""
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file to write ``path``'s new content into, piece by piece: a temp file beside
+    it, fsynced and renamed over ``path`` when the ``with`` block completes (removed, ``path``
+    left as it was, when it raises)."""
     target = Path(path)
     fd, tmp, created = _new_temp_beside(target)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -281,24 +305,60 @@ def _fsync_dir(folder: Path) -> None:
 PROTOBUF_LIMIT = 2**31 - 1
 
 
+def _proto_tensor_bytes(proto: onnx.ModelProto) -> int:
+    return sum(t.ByteSize() for graph in proto_graphs(proto.graph) for t in graph.initializer)
+
+
 def save_model(model: onnx.ModelProto | ir.Model, path: str | os.PathLike) -> None:
-    """Save a model atomically: one file with weights inline, or, for a model over protobuf's
-    2 GiB limit, ``path`` plus ``<path name>.data`` holding the weights (both renamed into
-    place once complete)."""
-    proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
-    if proto.ByteSize() < PROTOBUF_LIMIT:
-        atomic_write_bytes(path, proto.SerializeToString())
+    """Save a model atomically: one file with the weights inline, or, for a model whose tensors
+    hold :data:`gradgraph.external.EXTERNAL_DATA_THRESHOLD` bytes or more (1 GiB; protobuf
+    cannot write 2 GiB), ``path`` plus ``<path name>.data`` with every tensor of 1 KiB or more,
+    streamed tensor by tensor (no ModelProto holds them). Each file is renamed into place
+    once complete, the data file first."""
+    limit = min(external.EXTERNAL_DATA_THRESHOLD, PROTOBUF_LIMIT)
+    if isinstance(model, onnx.ModelProto):
+        if _proto_tensor_bytes(model) < limit:
+            try:
+                data = model.SerializeToString()
+            except Exception:  # noqa: BLE001 - over 2 GiB after all (a huge graph): below
+                data = None
+            if data is not None and len(data) < PROTOBUF_LIMIT:
+                atomic_write_bytes(path, data)
+                return
+        model = ir.from_proto(model)
+    if external.tensor_bytes(model) < limit:
+        atomic_write_bytes(path, model_proto(model).SerializeToString())
         return
-    target = Path(path)
+    _save_external(model, Path(path))
+
+
+def model_proto(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as a self-contained ModelProto: tensors a lazily loaded model left in its
+    external data files are read into it (``model`` itself is not changed)."""
+    if any(isinstance(t, ir.ExternalTensor) for _, t in external.tensors(model)):
+        model = model.clone(deep_copy=True)  # shares the tensors: only the clone's are replaced
+        for value, tensor in list(external.tensors(model)):
+            if value is not None and isinstance(tensor, ir.ExternalTensor):
+                value.const_value = ir.Tensor(external.read_array(tensor), name=tensor.name)
+    return ir.to_proto(model)
+
+
+def _save_external(model: ir.Model, target: Path) -> None:
+    """``target`` + ``<name>.data``, written in a temp folder beside them, then renamed."""
+    if target.is_dir():
+        raise WriteError(f"cannot write {str(target)!r}: it is a folder; give a file name (nothing was "
+                         "written)")
     data_name = target.name + ".data"
     created = _missing_folders(target.parent)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmp:
-            copy = onnx.ModelProto()
-            copy.CopyFrom(proto)
-            onnx.save_model(copy, str(Path(tmp) / target.name), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+        with tempfile.TemporaryDirectory(prefix=temp_prefix(target), suffix=TEMP_SUFFIX,
+                                         dir=target.parent) as tmp:
+            ir.save(model, Path(tmp) / target.name, external_data=data_name,
+                    size_threshold_bytes=external.EXTERNAL_TENSOR_MIN_BYTES)
+            for name in (data_name, target.name):
+                with open(Path(tmp) / name, "rb+") as f:
+                    os.fsync(f.fileno())
             os.replace(Path(tmp) / data_name, target.parent / data_name)
             os.replace(Path(tmp) / target.name, target)
     except OSError as exc:

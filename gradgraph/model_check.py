@@ -36,13 +36,15 @@ def _label(node: onnx.NodeProto, index: int) -> str:
     return f"{node.name!r} ({node.op_type})" if node.name else f"#{index} ({node.op_type})"
 
 
-def _tensor_problem(t: TensorProto) -> str | None:
+def _tensor_problem(t: TensorProto, external_ok: bool = False) -> str | None:
     if any(d < 0 for d in t.dims):
         return f"has a negative dimension {list(t.dims)}"
     n = math.prod(t.dims)
     if n > MAX_ELEMENTS:
         return f"claims {n:,} elements (over the {MAX_ELEMENTS:,} limit)"
     if t.data_location == TensorProto.EXTERNAL:
+        if external_ok:  # checked against its file by the caller (gradgraph.io)
+            return None
         where = next((e.value for e in t.external_data if e.key == "location"), "?")
         return (f"keeps its data in an external file ({where!r}); gradgraph reads external data "
                 "only through a model file path (onnx checks it stays inside the model's "
@@ -69,12 +71,12 @@ def _tensor_problem(t: TensorProto) -> str | None:
     return None
 
 
-def _check_graph(graph: onnx.GraphProto, source: str, top: bool) -> None:
+def _check_graph(graph: onnx.GraphProto, source: str, top: bool, external_ok: bool = False) -> None:
     produced: dict[str, str] = {}
     for v in graph.input:
         produced[v.name] = "a graph input"
     for t in graph.initializer:
-        problem = _tensor_problem(t)
+        problem = _tensor_problem(t, external_ok)
         if problem:
             hint = "" if "external" in problem else ("; the file is damaged or was written by a "
                                                      "broken exporter")
@@ -94,12 +96,12 @@ def _check_graph(graph: onnx.GraphProto, source: str, top: bool) -> None:
             produced[out] = f"node {_label(node, index)}"
         for attr in node.attribute:
             tensors = ([attr.t] if attr.HasField("t") else []) + list(attr.tensors)
-            problem = next((p for p in map(_tensor_problem, tensors) if p), None)
+            problem = next((p for p in (_tensor_problem(t, external_ok) for t in tensors) if p), None)
             if problem:
                 raise GradientError(f"{source}: attribute {attr.name!r} of node "
                                     f"{_label(node, index)} {problem}")
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                _check_graph(sub, source, top=False)
+                _check_graph(sub, source, top=False, external_ok=external_ok)
     for index, node in enumerate(graph.node):
         texts = [node.op_type, node.domain, node.name, *node.input, *node.output]
         if not all(isinstance(t, str) for t in texts):
@@ -143,10 +145,13 @@ def _check_acyclic(graph: onnx.GraphProto, source: str) -> None:
                             f"each other's outputs ({shown}{', ...' if len(stuck) > 6 else ''})")
 
 
-def check_model_proto(proto: onnx.ModelProto, source: str) -> None:
-    """Raise :class:`GradientError` naming ``source`` and the value/node for a malformed graph."""
+def check_model_proto(proto: onnx.ModelProto, source: str, external_ok: bool = False) -> None:
+    """Raise :class:`GradientError` naming ``source`` and the value/node for a malformed graph.
+
+    ``external_ok``: tensors in external data are accepted (the caller checked them against
+    the model's folder, see :func:`gradgraph.io.load_model`), not refused as in point 6."""
     _check_opsets(proto, source)
-    _check_graph(proto.graph, source, top=True)
+    _check_graph(proto.graph, source, top=True, external_ok=external_ok)
 
 
 def _check_opsets(proto: onnx.ModelProto, source: str) -> None:

@@ -735,6 +735,9 @@ def test_any_os_error_on_a_users_path_is_a_one_line_error(resumable: tuple[Path,
         def read_bytes(self) -> bytes:
             raise OSError(errno.EIO, "Input/output error", str(self))
 
+        def open(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+            raise OSError(errno.EIO, "Input/output error", str(self))
+
     monkeypatch.setattr(checkpoint_module, "Path", FailingPath)
     capsys.readouterr()
     assert cli_main(_train_args(data, "--checkpoint-dir", str(out), "--resume", "--steps", "4")) == 2

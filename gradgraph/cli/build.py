@@ -97,8 +97,8 @@ def _check_dims(dims: dict[str, int], artifacts: TrainingArtifacts) -> None:
 
     from gradgraph.training.build import check_dim_names, symbolic_dims
 
-    graphs = [g for g in (artifacts.gradient, artifacts.eval) if g is not None]
-    known = set().union(*(symbolic_dims(ir.from_proto(g)) for g in graphs))
+    graphs = [artifacts.gradient_ir] if artifacts.gradient_ir is not None else []
+    known = set().union(symbolic_dims(ir.from_proto(artifacts.eval)), *map(symbolic_dims, graphs))
     check_dim_names(list(dims), known, "--dim")
 
 
@@ -127,14 +127,13 @@ def _warn_without_device(config: object) -> None:
 def _recompute_line(config: object, artifacts: TrainingArtifacts) -> str | None:
     """``recomputed: transformer_layers 42 nodes, gelu 0 nodes``: the forward nodes each asked
     recompute option clones (None when recompute is off)."""
-    import onnx_ir as ir
 
     from passes.recompute import recomputed_counts
 
     options = getattr(getattr(config, "graph_transformer", None), "recompute", None)
-    if options is None or artifacts.gradient is None:
+    if options is None or artifacts.gradient_ir is None:
         return None
-    counts = recomputed_counts(ir.from_proto(artifacts.gradient))
+    counts = recomputed_counts(artifacts.gradient_ir)
     asked = [o for o in ("transformer_layers", "attn_dropout", "gelu") if getattr(options, o)]
     asked += ["memory_budget"] if options.memory_budget is not None else []
     return "recomputed: " + ", ".join(f"{o} {counts.get(o, 0)} nodes" for o in asked)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from gradgraph.cli.common import add_list_weights, list_weights, main_for, weights_arg
 from gradgraph.feeds import InputError
@@ -29,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from gradgraph.api import build_gradient_graph
+    from gradgraph.external import is_large
     from gradgraph.io import save_model
 
     if args.list_weights:
@@ -37,13 +39,14 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("-o/--output is required (unless --list-weights)")
     start = time.perf_counter()
     model = build_gradient_graph(args.model, args.loss, weights_arg(args.weights),
-                                 loss_reduction=args.reduce,
-                                 allow_unused=args.allow_unused, save_stages=args.save_stages)
+                                 loss_reduction=args.reduce, allow_unused=args.allow_unused,
+                                 save_stages=args.save_stages, as_ir=True)
     built = time.perf_counter() - start
-    save_model(model, args.output)
-    grads = [o for o in model.graph.output
-             if any(p.key == "gradgraph.gradient_of" for p in o.metadata_props)]
-    print(f"wrote {args.output}: {len(model.graph.node)} nodes, {len(grads)} gradient outputs "
+    save_model(model, args.output)  # with external data for a model over 1 GiB
+    grads = [o for o in model.graph.outputs if "gradgraph.gradient_of" in o.metadata_props]
+    data = f" (weights in {args.output}.data)" if Path(f"{args.output}.data").is_file() and \
+        is_large(model) else ""
+    print(f"wrote {args.output}{data}: {model.graph.num_nodes()} nodes, {len(grads)} gradient outputs "
           f"(built in {built:.2f} s)")
     if args.save_stages:
         print(f"stages saved under {args.save_stages}/")

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 from tqdm import tqdm
 
@@ -58,6 +57,16 @@ A step whose loss, weights or optimizer state would turn NaN/inf is skipped (not
 changes); after --max-skipped skipped steps in a row the run stops with exit status 3.
 With --checkpoint-dir the latest state goes to checkpoint.safetensors, the loss curve to
 loss.png and the trained model to inference.onnx. Ctrl-C saves a checkpoint and exits 130.
+A folder that already holds a checkpoint is refused unless --resume (continue it) or
+--overwrite (start afresh, replacing it) is given.
+
+inference.onnx is the model for inference: Dropout off, BatchNorm in inference mode, the
+trained weights inside, and the loss (with the inputs only the loss reads, such as the labels)
+removed whenever the model has other outputs. A model whose only output is the loss keeps it,
+and its inputs. checkpoint.safetensors loads into the torch module the model was exported
+from: model.load_state_dict(safetensors.torch.load_file(path), strict=False) (it also holds
+the optimizer state and the step, which the module does not take). Models over 1 GiB are
+written with external data: inference.onnx + inference.onnx.data.
 
 Data parallel: --nproc N launches N local ranks through torch.distributed's launcher
 (torchrun; gloo on CPU, NCCL on CUDA). --batch-size is then the per-rank batch: rank r reads
@@ -120,6 +129,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop (and checkpoint) at this step; the schedule still spans --steps")
     p.add_argument("--resume", action="store_true", help="continue from CHECKPOINT_DIR's checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a CHECKPOINT_DIR that holds a checkpoint, replacing it "
+                   "(without --resume or --overwrite such a folder is refused)")
     p.add_argument("--save-stages", default=None, metavar="DIR",
                    help="also save each build stage's model in DIR")
     add_pass_arguments(p)
@@ -169,6 +181,13 @@ def _checkpoint_dir(args: argparse.Namespace, rank: int = 0) -> Path | None:
     if args.checkpoint_dir is None:
         return None
     path = Path(args.checkpoint_dir)
+    if args.resume and args.overwrite:
+        raise InputError("--resume continues the checkpoint that --overwrite would replace: give one "
+                         "of them")
+    if not args.resume and not args.overwrite and (path / CHECKPOINT_NAME).is_file():
+        raise InputError(f"--checkpoint-dir {str(path)!r} already holds {CHECKPOINT_NAME} from an earlier "
+                         "run: give --resume to continue it, or --overwrite to start afresh and "
+                         "replace it")
     if args.resume and not (path / CHECKPOINT_NAME).is_file():
         raise InputError(f"--resume: no {CHECKPOINT_NAME} in {str(path)!r} (train without --resume "
                          "first, or point --checkpoint-dir at a run's folder)")
@@ -431,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     checkpoint()  # skipped steps changed nothing: this is the last finite state
     if ckpt_dir is not None and rank == 0:
-        session.export_inference_model(ckpt_dir / INFERENCE_NAME)
+        session.export_inference_model(ckpt_dir / INFERENCE_NAME, keep_loss=False)
     if session.data_parallel is not None:  # the ranks leave together, once rank 0 has written
         session.data_parallel.coll.barrier()
     if rank != 0:
@@ -451,20 +470,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_batch(model: str, batch_size: int) -> onnx.ModelProto:
-    """The model, made batch-dynamic (and verified) when its inputs fix another batch size."""
+def _fit_batch(model: str, batch_size: int) -> ir.Model:
+    """The model, made batch-dynamic (and verified) when its inputs fix another batch size (an
+    IR model: the weights of one over 1 GiB stay in its external data, never in a protobuf)."""
     from gradgraph.io import load_model
     from passes.batching import select_batch_inputs
 
     loaded = load_model(model)
     fixed, _ = select_batch_inputs(loaded.graph)
     if not fixed or fixed == batch_size:
-        return ir.to_proto(loaded)
-    from gradgraph.batching import make_batch_dynamic
+        return loaded
+    from gradgraph.batching import batch_dynamic_ir
 
     print(f"gradgraph train: the model was exported with batch {fixed}; making its batch dimension "
           f"dynamic for --batch-size {batch_size}", file=sys.stderr)
-    return make_batch_dynamic(loaded)
+    return batch_dynamic_ir(loaded)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

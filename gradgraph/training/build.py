@@ -49,7 +49,7 @@ import onnx_ir.passes.common as common
 from onnx_ir.passes import InPlacePass, PassBase, PassResult
 
 from gradgraph.compat import provider_names
-from gradgraph.io import load_model, staged_folder
+from gradgraph.io import load_model, model_proto, staged_folder
 from gradgraph.pipeline import Pipeline, Stage, StageReport, is_stage_file
 from gradgraph.training.options import TrainingConfig
 from gradgraph.validate import check_names, close_matches, unknown_names
@@ -98,10 +98,17 @@ class TrainingArtifacts:
     outputs: list[str]
     # What each stage changed, in order (for summaries).
     reports: list[StageReport] = dataclasses.field(default_factory=list)
-    # The model after the recompute stage (forward + backward), for activation analyses.
-    gradient: onnx.ModelProto | None = None
+    # The model after the recompute stage (forward + backward), for activation analyses; its
+    # tensors are the source model's (shared, never copied into a protobuf).
+    gradient_ir: ir.Model | None = None
     # (known bytes, tensors of symbolic size) the backward kept before recompute (when on).
     stash_before_recompute: tuple[int, int] | None = None
+
+    @property
+    def gradient(self) -> onnx.ModelProto | None:
+        """``gradient_ir`` as a self-contained ModelProto (built on each call: the weights are
+        copied into it; under 2 GiB only)."""
+        return None if self.gradient_ir is None else model_proto(self.gradient_ir)
 
     @property
     def params(self) -> list[str]:
@@ -374,7 +381,7 @@ def _check_config(config: TrainingConfig, model: ir.Model) -> list[str] | None:
         w for w in config.weights_to_train if w not in excluded]
 
 
-def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
+def build_training_artifacts(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes,
                              config: TrainingConfig, *,
                              save_stages: str | os.PathLike | None = None,
                              providers: Sequence[Any] | None = None) -> TrainingArtifacts:
@@ -395,7 +402,7 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
     save_dir = save_stages if save_stages is not None else config.debug.save_stages
     trained_set = TrainedSetPass(set(config.weights_not_to_train), config.names.out_suffix)
     pipeline = training_pipeline(config, wanted, trained_set, providers=providers)
-    kept: dict[str, onnx.ModelProto] = {}
+    kept: dict[str, ir.Model] = {}
     before: list[tuple[int, int]] = []
     feeds: list[str] = []
     outputs: list[str] = []
@@ -407,8 +414,8 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
             outputs.extend(v.name or "" for v in m.graph.outputs if v.name not in state)
             if config.loss not in outputs:
                 raise GradientError(f"loss {config.loss!r} is not a graph output (outputs: {outputs})")
-        if stage.name in ("graph_transforms", "recompute"):
-            kept[stage.name] = ir.to_proto(m)
+        if stage.name in ("graph_transforms", "recompute"):  # copies of the graph, not the weights
+            kept[stage.name] = m.clone(deep_copy=True)
         if stage.name == "gradient" and config.graph_transformer.recompute is not None:
             from passes.recompute import total_stash_bytes
 
@@ -428,9 +435,9 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
 
         def variant(stage: Stage, index: int) -> onnx.ModelProto:
             run = Pipeline([stage])
-            result = run.run(ir.from_proto(kept["recompute"]), save_dir=folder, first_index=index)
+            result = run.run(kept["recompute"].clone(deep_copy=True), save_dir=folder, first_index=index)
             reports.extend(run.reports)
-            return ir.to_proto(result)
+            return model_proto(result)  # the weights are inputs now: what stays is small
 
         train = variant(training, len(stages))
         to_inputs = training.passes[0]
@@ -441,7 +448,7 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
         eval_stage = Stage("eval", [EvalModePass(), ParamsToInputsPass(params), *kernel_passes(gradient=False),
                                     FinishPass()])
         eval_run = Pipeline([eval_stage])
-        eval_model = ir.to_proto(eval_run.run(ir.from_proto(kept["graph_transforms"]), save_dir=folder,
+        eval_model = model_proto(eval_run.run(kept.pop("graph_transforms"), save_dir=folder,
                                               first_index=len(stages) + 2))
         reports.extend(eval_run.reports)
     states = {w: resolve(config.optimizer, config.update.groups, w)[0].state_names()
@@ -451,21 +458,39 @@ def build_training_artifacts(model: onnx.ModelProto | str | os.PathLike | bytes,
                              feeds, outputs, reports, kept["recompute"], before[0] if before else None)
 
 
-def inference_model(artifacts: TrainingArtifacts, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """The eval model with ``weights`` (all of ``artifacts.params``) as initializers again."""
-    model = onnx.ModelProto()
-    model.CopyFrom(artifacts.eval)
-    graph = model.graph
-    params = set(artifacts.params)
-    missing = sorted(params - set(weights))
+def inference_ir(artifacts: TrainingArtifacts, weights: Mapping[str, np.ndarray],
+                 keep_loss: bool = True) -> ir.Model:
+    """The eval model with ``weights`` (all of ``artifacts.params``) as initializers again; the
+    arrays are wrapped, not copied (save the model before they change).
+
+    ``keep_loss=False``: when the model has outputs besides the loss, the loss and what only
+    it reads (its nodes, and inputs such as the labels) are removed: a model for inference.
+    A model whose only output is the loss keeps it (and the inputs it needs).
+    """
+    missing = sorted(set(artifacts.params) - set(weights))
     if missing:
         raise KeyError(f"inference_model needs values for {missing}")
-    kept = [i for i in graph.input if i.name not in params]
-    del graph.input[:]
-    graph.input.extend(kept)
-    for name in artifacts.params:
-        graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(weights[name]), name))
+    model = ir.from_proto(artifacts.eval)
+    graph = model.graph
+    loss = next((o for o in graph.outputs if o.name == artifacts.config.loss), None)
+    if not keep_loss and loss is not None and len(graph.outputs) > 1:
+        read = [v for v in graph.inputs if v.uses()]
+        graph.outputs.remove(loss)
+        common.RemoveUnusedNodesPass()(model)
+        for value in read:  # inputs only the loss read (labels, and weights of the loss alone)
+            if not value.uses() and value not in graph.outputs:
+                graph.inputs.remove(value)
+    params = set(artifacts.params)
+    for value in [v for v in graph.inputs if v.name in params]:
+        graph.inputs.remove(value)
+        value.const_value = ir.Tensor(np.asarray(weights[value.name or ""]), name=value.name)
+        graph.register_initializer(value)
     return model
+
+
+def inference_model(artifacts: TrainingArtifacts, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """The eval model with ``weights`` (all of ``artifacts.params``) as initializers again."""
+    return model_proto(inference_ir(artifacts, weights))
 
 
 def save_path_of(config: TrainingConfig, stage: str) -> Path | None:
@@ -484,16 +509,16 @@ def gradient_model(artifacts: TrainingArtifacts) -> tuple[onnx.ModelProto, dict[
 
     Returns the model and ``{weight: gradient output name}``.
     """
-    if artifacts.gradient is None:
+    if artifacts.gradient_ir is None:
         raise GradientError("the artifacts hold no gradient-stage model")
     config = artifacts.config
     update = dataclasses.replace(config.update, accumulation_steps=1, keep_gradient_outputs=True,
                                  max_grad_norm=None)
     stage = training_stage(dataclasses.replace(config, update=update), apply=False)
-    model = ir.from_proto(artifacts.gradient)
+    model = artifacts.gradient_ir.clone(deep_copy=True)
     grads = {w: v.name or "" for w, v in gradient_outputs(model.graph).items() if w in artifacts.trained}
     model = Pipeline([stage]).run(model)
-    return ir.to_proto(model), grads
+    return model_proto(model), grads
 
 
 def apply_model(artifacts: TrainingArtifacts, weights: Sequence[str]) -> tuple[onnx.ModelProto, dict[str, str]]:

@@ -1,8 +1,11 @@
 """Checkpoint files: one safetensors file whose header metadata holds a small JSON document.
 
 Tensors and metadata live in one file so a single atomic rename (temp file, fsync, rename;
-``gradgraph.io.atomic_write_bytes``) switches from the previous checkpoint to the next: a
-process killed while writing leaves the previous checkpoint intact.
+``gradgraph.io.atomic_writer``) switches from the previous checkpoint to the next: a
+process killed while writing leaves the previous checkpoint intact. Tensors are written
+straight from the arrays given (the session's buffers: no copy) and read straight from the
+file into arrays of their own, so saving or loading W bytes of state needs W bytes, not 2-3 W.
+The file is standard safetensors: ``safetensors.torch.load_file`` reads it.
 """
 
 from __future__ import annotations
@@ -15,10 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
-from gradgraph.io import atomic_write_bytes
+from gradgraph.io import atomic_writer
 from passes.autodiff import GradientError
 
 FORMAT = "gradgraph-checkpoint"
@@ -49,25 +50,101 @@ def _check_meta(meta: dict[str, Any], where: str) -> None:
                               f"of save_checkpoint), got {meta['user']!r}")
 
 
+# safetensors' dtype names (bfloat16 through ml_dtypes, as onnx_ir and onnxruntime use it).
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "U64": "uint64", "I32": "int32", "U32": "uint32", "I16": "int16", "U16": "uint16",
+           "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_CODES = {name: code for code, name in _DTYPES.items()}
+# Bytes written per call (a view of the array: no copy).
+_CHUNK = 64 << 20
+
+
+def _np_dtype(code: str) -> np.dtype:
+    if code == "BF16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(_DTYPES[code])
+
+
 def write_checkpoint(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
                      meta: Mapping[str, Any]) -> None:
+    """A safetensors file of ``tensors`` (viewed, never copied: the session's own buffers) and
+    ``meta`` (JSON in the header), streamed to a temp file renamed over ``path``."""
     doc = {"format": FORMAT, "version": VERSION, **meta}
-    arrays = {k: np.array(v, order="C", copy=None) for k, v in tensors.items()}
-    data = st_save(arrays, metadata={_META_KEY: json.dumps(doc, sort_keys=True)})
-    atomic_write_bytes(path, data)
+    arrays = {k: np.asarray(v) for k, v in tensors.items()}
+    header: dict[str, Any] = {"__metadata__": {_META_KEY: json.dumps(doc, sort_keys=True)}}
+    offset = 0
+    for name, array in arrays.items():
+        code = _CODES.get(array.dtype.name)
+        if code is None or array.dtype.byteorder == ">":
+            raise CheckpointError(f"tensor {name!r} has dtype {array.dtype}, which a safetensors "
+                                  f"checkpoint cannot hold ({', '.join(_DTYPES.values())})")
+        header[name] = {"dtype": code, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with atomic_writer(path) as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for array in arrays.values():
+            flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            for begin in range(0, flat.size, _CHUNK):
+                f.write(flat[begin:begin + _CHUNK].data)
+
+
+def _read_header(f: Any, size: int) -> tuple[dict[str, Any], int]:
+    head = f.read(_HEADER_LEN_BYTES)
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > min(size - _HEADER_LEN_BYTES, 100 << 20):
+        raise ValueError(f"header length {header_len} is past the end of the file")
+    header = json.loads(f.read(header_len))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header, _HEADER_LEN_BYTES + header_len
+
+
+def _read_tensors(f: Any, header: Mapping[str, Any], start: int, size: int) -> dict[str, np.ndarray]:
+    """Each tensor read from the file straight into an array of its own (one copy in memory)."""
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _np_dtype(entry["dtype"])
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (int(x) for x in entry["data_offsets"])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if any(d < 0 for d in shape) or end - begin != nbytes or begin < 0 or start + end > size:
+            raise ValueError(f"tensor {name!r}: bytes {begin}..{end} do not hold shape {list(shape)} "
+                             f"{dtype} inside the file")
+        array = np.empty(shape, dtype)
+        f.seek(start + begin)
+        view = array.reshape(-1).view(np.uint8).data
+        done = 0
+        while done < nbytes:  # one read call returns at most ~2 GiB
+            got = f.readinto(view[done:done + _CHUNK])
+            if not got:
+                raise ValueError(f"tensor {name!r} is cut short")
+            done += got
+        tensors[name] = array
+    return tensors
 
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The tensors (arrays of their own, writable) and metadata of a checkpoint file."""
     file = Path(path)
     if not file.is_file():
         raise CheckpointError(f"checkpoint {str(file)!r} does not exist")
-    data = file.read_bytes()
     try:
-        (header_len,) = struct.unpack("<Q", data[:_HEADER_LEN_BYTES])
-        header = json.loads(data[_HEADER_LEN_BYTES:_HEADER_LEN_BYTES + header_len])
-        meta = json.loads(header["__metadata__"][_META_KEY])
-        tensors = st_load(data)
-    except Exception as exc:  # noqa: BLE001 - struct, json, safetensors raise several types
+        with file.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            header, start = _read_header(f, size)
+            meta = json.loads(header["__metadata__"][_META_KEY])
+            tensors = _read_tensors(f, header, start, size)
+    except OSError:  # the file system's error, said as such by the caller
+        raise
+    except Exception as exc:  # noqa: BLE001 - struct, json, a damaged header raise several types
         raise CheckpointError(f"checkpoint {str(file)!r} is not a gradgraph checkpoint ({exc})") from exc
     where = f"checkpoint {str(file)!r}"
     if not isinstance(meta, dict):

@@ -56,8 +56,11 @@ class StateStore:
     def names(self) -> list[str]:
         return list(self.values)
 
-    def set(self, name: str, array: np.ndarray) -> None:
-        array = np.array(array, order="C", copy=None)
+    def set(self, name: str, array: np.ndarray, owned: bool = False) -> None:
+        """Hold ``array`` as ``name``: a copy (onnxruntime writes into held buffers), or the
+        array itself when ``owned`` (a new, writable array no one else uses)."""
+        own = owned and array.flags.writeable and array.flags.c_contiguous
+        array = array if own else np.array(array, order="C", copy=True)
         self.values[name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
         self._spares.pop(name, None)
         for runner in self._runners:  # their bindings would keep the replaced value alive
@@ -68,6 +71,10 @@ class StateStore:
 
     def get(self, name: str) -> np.ndarray:
         return np.array(self.values[name].numpy(), copy=True)
+
+    def view(self, name: str) -> np.ndarray:
+        """The held array itself (CPU: no copy; valid until the next step swaps the buffers)."""
+        return self.values[name].numpy()
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.values[name].shape())

@@ -27,17 +27,19 @@ from typing import Any, overload
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
+from gradgraph.external import drop_resident
 from gradgraph.feeds import InputError
 from gradgraph.index_inputs import IndexCheck
-from gradgraph.training.precision_warning import warn_if_emulated
 from gradgraph.io import atomic_output_path, save_model
 from gradgraph.training.build import (
     TrainingArtifacts,
     TrainingConfig,
     build_training_artifacts,
+    inference_ir,
     inference_model,
 )
 from gradgraph.training.checkpoint import CheckpointError, read_checkpoints, write_checkpoint
@@ -49,6 +51,7 @@ from gradgraph.training.ort_state import (
     release_free_memory,
 )
 from gradgraph.training.parameters import TrainingParameters
+from gradgraph.training.precision_warning import warn_if_emulated
 from passes.autodiff import GradientError
 
 MICRO_STEP_KEY = "micro_step"
@@ -142,7 +145,7 @@ class TrainingSession:
     eval graph on the current weights.
     """
 
-    def __init__(self, path_or_bytes: str | os.PathLike | bytes | onnx.ModelProto,
+    def __init__(self, path_or_bytes: str | os.PathLike | bytes | onnx.ModelProto | ir.Model,
                  parameters: TrainingParameters | TrainingConfig,
                  sess_options: ort.SessionOptions | None = None,
                  providers: Sequence[Any] | None = None,
@@ -199,25 +202,30 @@ class TrainingSession:
             self._dp = DataParallelRunner(self, distributed, sess_options, provider_options)
         # The gradient-stage model (with a copy of the weights) served the graph variants above;
         # what the build freed goes back to the system before the steps' arena grows.
-        self.artifacts = dataclasses.replace(self.artifacts, gradient=None)
+        self.artifacts = dataclasses.replace(self.artifacts, gradient_ir=None)
         release_free_memory(weight_bytes)
 
     # ---- state --------------------------------------------------------------------------
     def _init_state(self) -> None:
         art, names = self.artifacts, self.names
-        for name in art.params:
+        for name in art.params:  # one copy each, into the store; a memory-mapped source's pages
+            # are dropped from this process once copied (they stay in the file)
             self.store.set(name, art.initial[name])
+            drop_resident(art.initial[name])
+        # From here on only the shapes and dtypes of the initial values are read (the data
+        # parallel split, accumulation buffers): zero-stride stand-ins free the source arrays.
+        art.initial = {n: np.broadcast_to(np.zeros((), a.dtype), a.shape) for n, a in art.initial.items()}
         for w, states in art.optimizer_state.items():
             for s in states:
-                self.store.set(names.state(w, s), np.zeros_like(art.initial[w]))
-        self.store.set(names.step, np.zeros((), np.int64))
+                self.store.set(names.state(w, s), np.zeros_like(art.initial[w]), owned=True)
+        self.store.set(names.step, np.zeros((), np.int64), owned=True)
         if self.config.mixed_precision.scales_loss:
             scaler = self.config.mixed_precision.loss_scaler
             self.store.set(names.loss_scale, np.asarray(scaler.init_scale, np.float32))
-            self.store.set(names.stable_steps, np.zeros((), np.int64))
+            self.store.set(names.stable_steps, np.zeros((), np.int64), owned=True)
         if art.accumulate is not None:
             for w in art.trained:
-                self.store.set(names.buffer(w), np.zeros_like(art.initial[w]))
+                self.store.set(names.buffer(w), np.zeros_like(art.initial[w]), owned=True)
 
     @property
     def data_parallel(self) -> DataParallelRunner | None:
@@ -264,7 +272,17 @@ class TrainingSession:
             state.update(self._dp.checkpoint_state())
         return state
 
-    def load_state(self, state: Mapping[str, Any], strict: bool = True) -> None:
+    def _state_views(self) -> dict[str, np.ndarray]:
+        """``get_state()`` without copies: views of the held buffers (CPU; a device's are
+        copied to the host), valid until the next step."""
+        views = self.store.view if self.store.device == "cpu" else self.store.get
+        state = {n: views(n) for n in self.store.names()}
+        state[MICRO_STEP_KEY] = np.array(self.micro_step, np.int64)
+        if self._dp is not None:
+            state.update(self._dp.checkpoint_state())
+        return state
+
+    def load_state(self, state: Mapping[str, Any], strict: bool = True, *, _owned: bool = False) -> None:
         """Load tensors by name; ``strict`` requires exactly the names of ``get_state()``."""
         known = set(self.store.names()) | {MICRO_STEP_KEY}
         unknown = sorted(set(state) - known)
@@ -289,8 +307,8 @@ class TrainingSession:
             if name in (self.names.step, self.names.stable_steps) and int(array) < 0:
                 raise CheckpointError(f"the step counter {name!r} must be >= 0; got {int(array)}")
             checked[name] = array
-        for name, array in checked.items():
-            self.store.set(name, array)
+        for name, array in checked.items():  # arrays read from a checkpoint are the store's own
+            self.store.set(name, array, owned=_owned)
         if MICRO_STEP_KEY in state:
             self.micro_step = int(np.asarray(state[MICRO_STEP_KEY]))
 
@@ -377,8 +395,9 @@ class TrainingSession:
 
     # ---- files --------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, user_dict: Mapping[str, Any] | None = None) -> None:
-        """Write every held tensor (safetensors) and metadata (JSON) atomically to ``path``."""
-        state = self.get_state()
+        """Write every held tensor (safetensors) and metadata (JSON) atomically to ``path``,
+        streamed from the session's buffers (no copy of the weights in memory)."""
+        state = self._state_views()
         meta = {"step": self.step, "micro_step": int(state[MICRO_STEP_KEY]),
                 "optimizer": self.config.optimizer.name,
                 "accumulation_steps": self.config.update.accumulation_steps,
@@ -417,7 +436,7 @@ class TrainingSession:
                                   "is damaged or was edited (save a new checkpoint)")
         partial = None if strict else self._check_overlap(tensors, where)
         try:
-            self.load_state(tensors, strict=strict)
+            self.load_state(tensors, strict=strict, _owned=True)
         except CheckpointError as exc:
             setting = self._setting_that_differs(meta) if strict else None
             raise CheckpointError(f"{where} {setting}" if setting else f"{where}: {exc}") from exc
@@ -485,8 +504,15 @@ class TrainingSession:
         """The eval model with the current weights as initializers."""
         return inference_model(self.artifacts, self.get_model_state()["full_precision"])
 
-    def export_inference_model(self, path: str | os.PathLike) -> None:
-        save_model(self.inference_model(), path)
+    def export_inference_model(self, path: str | os.PathLike, keep_loss: bool = True) -> None:
+        """Save the eval model with the current weights, written from the session's buffers
+        (with external data, ``<path>.data``, for weights of 1 GiB or more; see
+        :func:`gradgraph.io.save_model`). ``keep_loss=False`` (``gradgraph train``'s
+        ``inference.onnx``): the loss and the inputs only it reads are left out when the model
+        has other outputs (see :func:`gradgraph.training.build.inference_ir`)."""
+        views = self._state_views()
+        save_model(inference_ir(self.artifacts, {n: views[n] for n in self.artifacts.params}, keep_loss),
+                   path)
 
     def get_providers(self) -> list[str]:
         return self._train.session.get_providers()

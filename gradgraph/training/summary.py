@@ -24,9 +24,10 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def stash_lines(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) -> list[str]:
+def stash_lines(model: onnx.ModelProto | ir.Model, dims: Mapping[str, int] | None = None) -> list[str]:
     """One line per stashed activation, largest first, and the total."""
-    stashes = stashed_values(ir.from_proto(model), dict(dims or {}))
+    graph = model if isinstance(model, ir.Model) else ir.from_proto(model)
+    stashes = stashed_values(graph, dict(dims or {}))
     known = [s for s in stashes if s.nbytes is not None]
     unknown = [s for s in stashes if s.nbytes is None]
     lines = []
@@ -92,8 +93,8 @@ def summary_text(artifacts: TrainingArtifacts, dims: Mapping[str, int] | None = 
         known, symbolic = artifacts.stash_before_recompute
         lines.append(f"before recompute the backward kept {_human(known)}"
                      + (f" (+{symbolic} tensors of symbolic size)" if symbolic else ""))
-    if artifacts.gradient is not None:
-        lines += stash_lines(artifacts.gradient, dims)
+    if artifacts.gradient_ir is not None:
+        lines += stash_lines(artifacts.gradient_ir, dims)
     lines.append("")
     lines.append(f"trained {len(artifacts.trained)}, frozen {len(artifacts.frozen)}, "
                  f"buffers {len(artifacts.buffers)}")

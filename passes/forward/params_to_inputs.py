@@ -1,7 +1,8 @@
 """ParamsToInputsPass: make named initializers graph inputs (held and fed by the runtime).
 
 1. each named initializer is removed from the initializers and appended to the graph inputs,
-   keeping its type and shape; its value is recorded in ``self.values`` (numpy) and dropped;
+   keeping its type and shape; its value is recorded in ``self.values`` (numpy, not copied:
+   it may view the model's tensor or its memory-mapped file; copy it before writing) and dropped;
 2. names that are not initializers are left alone (they may already be inputs);
 3. ``names=None``: the initializers marked held (``gradgraph.held``, see passes.marks).
 """
@@ -36,7 +37,7 @@ class ParamsToInputsPass(InPlacePass):
             tensor = value.const_value
             if tensor is None:
                 raise ValueError(f"initializer {name!r} has no value")
-            self.values[name] = tensor.numpy().copy()
+            self.values[name] = tensor.numpy()  # read-only views may alias the model: copy to write
             graph.initializers.pop(name)
             value.const_value = None
             if not value.is_graph_input():

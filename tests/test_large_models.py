@@ -1,0 +1,234 @@
+"""Models over protobuf's 2 GB limit, end to end: grad, build --save-stages, train (checkpoint,
+--resume, inference.onnx) and TrainingSession, each output loaded in onnxruntime, gradients
+against a float64 numpy reference on a slice.
+
+The model is built here from two large MatMul weights in external data (``x @ w1 -> tanh ->
+@ w2 -> pred``; ``loss = mean((pred - y)**2)``). ``test_over_2gb_end_to_end`` (slow) uses two
+1.1 GB weights (2.2 GB); ``test_external_data_paths_small`` takes the same paths on a small
+model with ``GRADGRAPH_EXTERNAL_DATA_THRESHOLD`` lowered, so every run of the suite covers them.
+Each command's peak RSS is measured (``os.wait4``) and printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH = 2
+LR = 0.5
+# float32 gradients (sums of k and n products) against float64: relative to the slice's largest
+RTOL = 2e-3
+
+
+def _write_weight(f, rng: np.random.Generator, rows: int, cols: int, block: int = 512) -> None:
+    """A (rows, cols) float32 weight, scaled 1/sqrt(rows), written block by block."""
+    for start in range(0, rows, block):
+        take = min(block, rows - start)
+        w = rng.standard_normal((take, cols), dtype=np.float32) * np.float32(1 / np.sqrt(rows))
+        f.write(w.tobytes())
+
+
+def make_model(folder: Path, k: int, n: int, seed: int = 0) -> Path:
+    """model.onnx + model.onnx.data: w1 [k, n] then w2 [n, k], float32."""
+    text = f"""
+    <ir_version: 10, opset_import: ["" : 18]>
+    big (float[B, {k}] x, float[B, {k}] y) => (float[B, {k}] pred, float loss) {{
+      h = MatMul(x, w1)
+      a = Tanh(h)
+      pred = MatMul(a, w2)
+      d = Sub(pred, y)
+      sq = Mul(d, d)
+      loss = ReduceMean<keepdims=0>(sq)
+    }}"""
+    proto = onnx.parser.parse_model(text)
+    rng = np.random.default_rng(seed)
+    data = folder / "model.onnx.data"
+    offset = 0
+    with open(data, "wb") as f:
+        for name, shape in (("w1", (k, n)), ("w2", (n, k))):
+            _write_weight(f, rng, *shape)
+            t = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=list(shape),
+                                 data_location=onnx.TensorProto.EXTERNAL)
+            nbytes = shape[0] * shape[1] * 4
+            for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(nbytes))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            offset += nbytes
+            proto.graph.initializer.append(t)
+    path = folder / "model.onnx"
+    path.write_bytes(proto.SerializeToString())
+    return path
+
+
+def _weights(path: Path, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Memory maps of w1 and w2 in ``path``'s data file (a model file of make_model's layout)."""
+    data = Path(str(path) + ".data")
+    w1 = np.memmap(data, np.float32, "r", 0, (k, n))
+    w2 = np.memmap(data, np.float32, "r", k * n * 4, (n, k))
+    return w1, w2
+
+
+def reference_gradients(w1: np.ndarray, w2: np.ndarray, x: np.ndarray, y: np.ndarray,
+                        rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """float64 numpy: d loss / d w1[:rows] and d loss / d w2[:rows], read in row blocks."""
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    block = 1024
+    h = np.zeros((x.shape[0], w1.shape[1]))
+    for s in range(0, w1.shape[0], block):
+        h += x64[:, s:s + block] @ np.asarray(w1[s:s + block], np.float64)
+    a = np.tanh(h)
+    pred = np.zeros((x.shape[0], w2.shape[1]))
+    for s in range(0, w2.shape[0], block):
+        pred += a[:, s:s + block] @ np.asarray(w2[s:s + block], np.float64)
+    dpred = 2 * (pred - y64) / pred.size
+    da = np.zeros_like(a)
+    for s in range(0, w2.shape[0], block):
+        da[:, s:s + block] = dpred @ np.asarray(w2[s:s + block], np.float64).T
+    dh = da * (1 - a * a)
+    return x64[:, :rows].T @ dh, a[:, :rows].T @ dpred
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale)
+
+
+def _run(args: list[str], env: dict[str, str], cwd: Path) -> tuple[str, int]:
+    """``python -m gradgraph ARGS``: its stderr+stdout and its peak RSS in bytes (must exit 0)."""
+    return _run_process([sys.executable, "-m", "gradgraph", *args], env, cwd)
+
+
+def _run_process(command: list[str], env: dict[str, str], cwd: Path) -> tuple[str, int]:
+    args = command[1:]
+    proc = subprocess.Popen(command, cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = proc.stdout.read() if proc.stdout else ""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, f"gradgraph {' '.join(args)} exited {proc.returncode}:\n{out[-3000:]}"
+    return out, usage.ru_maxrss * 1024
+
+
+def _run_script(script: Path, args: list[str], env: dict[str, str], cwd: Path) -> tuple[str, int]:
+    return _run_process([sys.executable, str(script), *args], env, cwd)
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def end_to_end(tmp: Path, k: int, n: int, env: dict[str, str]) -> dict[str, int]:
+    """Every command on a model of make_model's layout; returns each one's peak RSS."""
+    model = make_model(tmp, k, n)
+    w1, w2 = _weights(model, k, n)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((BATCH, k)).astype(np.float32)
+    y = rng.standard_normal((BATCH, k)).astype(np.float32)
+    np.savez(tmp / "data.npz", x=x, y=y)
+    rows = 16
+    ref1, ref2 = reference_gradients(w1, w2, x, y, rows)
+    peaks = {}
+
+    # grad: the gradient model with external data; its gradients against the reference
+    _, peaks["grad"] = _run(["grad", str(model), "--loss", "loss", "-o", str(tmp / "grad.onnx")], env, tmp)
+    assert (tmp / "grad.onnx.data").is_file()
+    session = _session(tmp / "grad.onnx")
+    names = [o.name for o in session.get_outputs() if o.name.endswith("_grad")]
+    got = dict(zip(names, session.run(names, {"x": x, "y": y})))
+    _close(got["w1_grad"][:rows], ref1)
+    _close(got["w2_grad"][:rows], ref2)
+    del session, got
+
+    # build --save-stages: every stage file loads in onnxruntime (those holding the weights
+    # with external data)
+    _, peaks["build"] = _run(["build", str(model), "--loss", "loss", "--optimizer", "sgd",
+                              "--save-stages", str(tmp / "stages")], env, tmp)
+    stages = sorted((tmp / "stages").glob("*.onnx"))
+    assert len(stages) >= 5 and (tmp / "stages" / "00_forward.onnx.data").is_file()
+    for stage in stages:
+        _session(stage)
+
+    # train: 2 SGD steps, checkpoint, inference.onnx; then --resume to step 3
+    ck = tmp / "ck"
+    common = ["train", str(model), "--loss", "loss", "--data", str(tmp / "data.npz"), "--optimizer",
+              "sgd", "--lr", str(LR), "--batch-size", str(BATCH), "--checkpoint-dir", str(ck), "--quiet"]
+    _, peaks["train"] = _run([*common, "--steps", "1"], env, tmp)
+    from safetensors.numpy import load_file
+
+    first = load_file(str(ck / "checkpoint.safetensors"))
+    _close(first["w1"][:rows], np.asarray(w1[:rows], np.float64) - LR * ref1)
+    _close(first["w2"][:rows], np.asarray(w2[:rows], np.float64) - LR * ref2)
+    del first
+    _, peaks["train --resume"] = _run([*common, "--steps", "2", "--resume"], env, tmp)
+    meta = json.loads(_safetensors_metadata(ck / "checkpoint.safetensors")["gradgraph"])
+    assert meta["step"] == 2 and len(meta["user"]["losses"]) == 2
+    infer = _session(ck / "inference.onnx")
+    assert [i.name for i in infer.get_inputs()] == ["x"]  # the labels went with the loss
+    assert [o.name for o in infer.get_outputs()] == ["pred"]
+    assert (ck / "inference.onnx.data").is_file()
+    assert np.isfinite(infer.run(None, {"x": x})[0]).all()
+    del infer
+
+    # TrainingSession on the file (its own process, to measure it): one step's update
+    script = tmp / "session.py"
+    script.write_text(SESSION_SCRIPT)
+    _, peaks["TrainingSession"] = _run_script(script, [str(model), str(tmp / "data.npz"),
+                                                       str(tmp / "updated.npz"), str(rows)], env, tmp)
+    updated = np.load(tmp / "updated.npz")
+    _close(updated["w1"], np.asarray(w1[:rows], np.float64) - LR * ref1)
+    _close(updated["w2"], np.asarray(w2[:rows], np.float64) - LR * ref2)
+    return peaks
+
+
+SESSION_SCRIPT = f"""
+import sys
+import numpy as np
+from gradgraph import TrainingConfig, TrainingSession
+from passes.optimizer import SGDConfig
+
+model, data, out, rows = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+feeds = dict(np.load(data))
+session = TrainingSession(model, TrainingConfig("loss", SGDConfig()), providers=["CPUExecutionProvider"])
+session.train_step(feeds, lr={LR})
+state = session.get_state()
+np.savez(out, w1=state["w1"][:rows], w2=state["w2"][:rows])
+"""
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str]:
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(length))["__metadata__"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def test_external_data_paths_small(tmp_path: Path) -> None:
+    """The paths of a model over the threshold, on a small model (threshold lowered)."""
+    peaks = end_to_end(tmp_path, 96, 112, _env(GRADGRAPH_EXTERNAL_DATA_THRESHOLD="10000"))
+    assert set(peaks) >= {"grad", "build", "train", "train --resume"}
+
+
+@pytest.mark.slow
+def test_over_2gb_end_to_end(tmp_path: Path) -> None:
+    """Two 1.1 GB weights (2.2 GB, over protobuf's limit) through every command."""
+    k, n = 16384, 17000
+    assert 2 * k * n * 4 > 2**31
+    peaks = end_to_end(tmp_path, k, n, _env())
+    weights = 2 * k * n * 4
+    report = ", ".join(f"{name} {rss / 2**30:.2f} GiB ({rss / weights:.2f} W)" for name, rss in peaks.items())
+    print(f"peak RSS for W = {weights / 2**30:.2f} GiB of weights: {report}")
