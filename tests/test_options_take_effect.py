@@ -634,3 +634,152 @@ def test_build_list_weights_prints_the_weights(tmp_path: Path, capsys: pytest.Ca
     assert cli_main(["build", EXAMPLE, "--loss", "loss", "--list-weights"]) == 0
     printed = capsys.readouterr().out
     assert all(w in printed for w in ("fc1_weight", "fc3_bias"))
+
+
+# ---- CLI: gradgraph train ------------------------------------------------------------------------
+
+DATA = str(Path(gradgraph.__file__).parent / "examples" / "mlp_data.npz")
+
+
+def _train_outcome(args: list[str], tmp_path: Path, name: str,
+                   capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any], str, str]:
+    """Exit status, the checkpoint's tensors, stdout and stderr of a short ``train`` run."""
+    from safetensors.numpy import load_file
+
+    from gradgraph.cli.main import main as cli_main
+
+    folder = tmp_path / name
+    model = _variant_path(tmp_path) if "{variant}" in args else EXAMPLE
+    args = [a for a in args if a != "{variant}"]
+    defaults = {"--loss": "loss", "--data": DATA, "--steps": "3", "--batch-size": "8",
+                "--checkpoint-dir": str(folder)}
+    argv = ["train", model, *[x for k, v in defaults.items() if k not in args for x in (k, v)], *args]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = cli_main(argv)
+    printed = capsys.readouterr()
+    checkpoint = Path(argv[argv.index("--checkpoint-dir") + 1]) / "checkpoint.safetensors"
+    tensors = load_file(checkpoint) if checkpoint.exists() else {}
+    return code, tensors, printed.out, printed.err
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+# (flag, its arguments, the baseline's); the build flags (shared by train) are checked again
+# through train: they change the trained weights, or (--save-stages) the stage models
+TRAIN_FLAGS = [
+    ("--data", ["--data", "{shuffled}"], []),
+    ("--optimizer", ["--optimizer", "sgd"], []),
+    ("--lr", ["--lr", "0.1"], []),
+    ("--momentum", ["--optimizer", "sgd", "--momentum", "0.9"], ["--optimizer", "sgd"]),
+    ("--weight-decay", ["--weight-decay", "0.5"], []),
+    ("--no-decay", ["--weight-decay", "0.5", "--no-decay", "*_bias"], ["--weight-decay", "0.5"]),
+    ("--steps", ["--steps", "4"], []),
+    ("--batch-size", ["--batch-size", "16"], []),
+    ("--schedule", ["--schedule", "cosine"], []),
+    ("--warmup-steps", ["--schedule", "linear-warmup", "--warmup-steps", "2"],
+     ["--schedule", "linear-warmup", "--warmup-steps", "1"]),
+    ("--warmup-steps", ["--warmup-steps", "2"], []),
+    ("--stop-at", ["--stop-at", "2"], []),
+    ("--quiet", ["--quiet"], []),
+    # the graph-transform flags train shares with build: the stage models differ
+    *[(flag, [*args, "--save-stages", "{stages}"], [*base, "--save-stages", "{stages}"])
+      for flag, args, base in BUILD_FLAGS if flag not in ("--weights", "--device")],
+]
+
+
+def _fill(args: list[str], tmp_path: Path, name: str) -> list[str]:
+    if "{shuffled}" in args:
+        data = dict(np.load(DATA))
+        order = np.random.default_rng(0).permutation(len(data["x"]))
+        np.savez(tmp_path / "shuffled.npz", **{k: v[order] for k, v in data.items()})
+    return [str(tmp_path / "shuffled.npz") if a == "{shuffled}" else
+            str(tmp_path / f"stages_{name}") if a == "{stages}" else a for a in args]
+
+
+@pytest.mark.parametrize("flag,args,base", TRAIN_FLAGS, ids=[f[0] for f in TRAIN_FLAGS])
+def test_train_flags_take_effect(flag: str, args: list[str], base: list[str], tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code, tensors, out, err = _train_outcome(_fill(args, tmp_path, "a"), tmp_path, "a", capsys)
+    base_code, base_tensors, _, base_err = _train_outcome(_fill(base, tmp_path, "b"), tmp_path, "b", capsys)
+    assert code == base_code == 0, err
+    if "{stages}" in args:
+        stages = {p.name: p.read_bytes() for p in sorted((tmp_path / "stages_a").glob("*.onnx"))}
+        base_stages = {p.name: p.read_bytes() for p in sorted((tmp_path / "stages_b").glob("*.onnx"))}
+        assert stages and stages != base_stages, f"{flag}: the same stage models as without it"
+    elif flag == "--quiet":
+        assert len(err) < len(base_err)
+    else:
+        assert tensors and not _same(tensors, base_tensors), f"{flag}: the same checkpoint as without it"
+
+
+TRAIN_REFUSED = [
+    ("--loss", ["--loss", "nope"], "nope"),
+    ("--recompute-layers", ["--recompute-layers", "1"], "needs --recompute transformer_layers"),
+    ("--nproc", ["--nproc", "0"], "--nproc"),
+    ("--device", ["--device", "cuda"], "'CUDAExecutionProvider' is not available"),
+]
+
+
+@pytest.mark.parametrize("flag,args,words", TRAIN_REFUSED, ids=[f[0] for f in TRAIN_REFUSED])
+def test_train_flags_refused(flag: str, args: list[str], words: str, tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    import onnxruntime as ort
+
+    if flag == "--device" and "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is available here: --device cuda runs")
+    code, _, _, err = _train_outcome(args, tmp_path, "a", capsys)
+    assert code == 2 and words in err
+
+
+def test_train_checkpoint_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--checkpoint-dir writes the checkpoint; --resume continues it (bit-identical to one run);
+    a folder holding one is refused without --resume or --overwrite; --overwrite starts afresh;
+    --checkpoint-every writes checkpoints during the run; --max-skipped stops a diverging run."""
+    code, full, _, _ = _train_outcome([], tmp_path, "full", capsys)
+    assert code == 0 and full
+    assert _train_outcome(["--stop-at", "2"], tmp_path, "part", capsys)[0] == 0
+    code, _, _, err = _train_outcome([], tmp_path, "part", capsys)
+    assert code == 2 and "--resume" in err and "--overwrite" in err
+    code, resumed, _, _ = _train_outcome(["--resume"], tmp_path, "part", capsys)
+    assert code == 0 and _same(resumed, full)
+    assert _train_outcome(["--stop-at", "2"], tmp_path, "again", capsys)[0] == 0
+    code, afresh, _, _ = _train_outcome(["--overwrite", "--steps", "3"], tmp_path, "again", capsys)
+    assert code == 0 and _same(afresh, full)
+    saves: list[str] = []
+    original = TrainingSession.save_checkpoint
+    monkeypatch.setattr(TrainingSession, "save_checkpoint",
+                        lambda self, path, *a, **k: (saves.append(str(path)), original(self, path, *a, **k)))
+    assert _train_outcome(["--checkpoint-every", "1"], tmp_path, "every", capsys)[0] == 0
+    every = len(saves)
+    assert _train_outcome([], tmp_path, "every_plain", capsys)[0] == 0
+    assert every == 3 + 1 and len(saves) - every == 1  # after each step (and at the end) / at the end
+    monkeypatch.undo()
+    bad = dict(np.load(DATA))
+    bad["x"][16:] = np.inf  # steps 3 on are not finite
+    np.savez(tmp_path / "inf.npz", **bad)
+    code, _, _, err = _train_outcome(["--data", str(tmp_path / "inf.npz"), "--max-skipped", "1",
+                                      "--steps", "5"], tmp_path, "diverge", capsys)
+    assert code == 3 and "1 steps in a row" in err
+    code, _, _, err = _train_outcome(["--data", str(tmp_path / "inf.npz"), "--max-skipped", "2",
+                                      "--steps", "5"], tmp_path, "diverge2", capsys)
+    assert code == 3 and "2 steps in a row" in err
+
+
+def test_every_train_flag_has_a_case() -> None:
+    import argparse
+
+    from gradgraph.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {s for a in sub.choices["train"]._actions for s in a.option_strings if s.startswith("--")}
+    covered = {f[0] for f in TRAIN_FLAGS + TRAIN_REFUSED} | {
+        "--help", "--list-weights",  # as build's (the same function)
+        "--save-stages",  # the graph-transform cases compare the stage models it writes
+        "--checkpoint-dir", "--checkpoint-every", "--resume", "--overwrite", "--max-skipped",
+        # test_train_checkpoint_flags
+        "--nproc"}  # tests/test_distributed.py::test_cli_nproc_2_is_one_process_with_twice_the_batch
+    assert flags == covered
