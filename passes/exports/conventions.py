@@ -18,7 +18,10 @@ The ONNX op alone cannot say these; a dynamo export's FX provenance (``fx_call``
    gets it true: torchlib writes ``dropout_p`` as ``Dropout(weights, p)``, which ONNX defines as
    inference (the identity), while torch applies it whenever ``dropout_p > 0`` (modules pass 0
    in eval). An export with the exporter's default ``optimize=True`` has lost that Dropout
-   already (the optimizer removes an inference Dropout); with ``optimize=False`` it is kept.
+   already (the optimizer removes an inference Dropout); with ``optimize=False`` it is kept;
+6. ``ReduceMax`` / ``ReduceMin`` from ``aten.max.dim`` / ``aten.min.dim``: a tie's gradient goes
+   to the first extreme, the index torch returns (``EXTREME_TIES_KEY = "first"``); without a
+   mark ties share the gradient, as ``aten.amax`` / ``aten.amin`` (and ``torch.max(x)``) do.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.autodiff.rules.elementwise import CLIP_BOUNDS_KEY
+from passes.autodiff.rules.reduce import EXTREME_TIES_KEY
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
 from passes.exports.signature import fx_call
 from passes.names import free_name
@@ -40,6 +44,7 @@ _TRAINING_BATCH_NORMS = frozenset({"aten._native_batch_norm_legit_functional.def
                                    "aten._native_batch_norm_legit.default"})
 _CLAMPS = frozenset({"aten.clamp.default", "aten.clamp.Tensor", "aten.clip.default",
                      "aten.clamp_min.default", "aten.clamp_max.default"})
+_EXTREMES_WITH_INDEX = {"ReduceMax": "aten.max.dim", "ReduceMin": "aten.min.dim"}
 
 
 class TorchConventionsPass(InPlacePass):
@@ -77,6 +82,10 @@ class TorchConventionsPass(InPlacePass):
             elif node.op_type == "Clip" and call.target in _CLAMPS:
                 if node.metadata_props.get(CLIP_BOUNDS_KEY) != "closed":
                     node.metadata_props[CLIP_BOUNDS_KEY] = "closed"
+                    modified = True
+            elif _EXTREMES_WITH_INDEX.get(node.op_type) == call.target:
+                if node.metadata_props.get(EXTREME_TIES_KEY) != "first":
+                    node.metadata_props[EXTREME_TIES_KEY] = "first"
                     modified = True
         attention = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if is_attention_dropout(n)]
         return PassResult(model, train_dropouts(model, attention) or modified)

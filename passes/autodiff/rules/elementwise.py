@@ -42,11 +42,14 @@ def _pow(b, n, g):
     a, e = n.inputs
     y = n.outputs[0]
     ef = b.CastLike(e, a)
-    da = g[0] * ef * b.Pow(a, ef - 1) if n.needs_grad(0) else None
+    zero = b.const(0.0, a.dtype)
+    da = None
+    if n.needs_grad(0):  # torch: 0 where e = 0 (e * a^(e-1) is 0 * inf at a = 0)
+        da = b.Where(b.Equal(ef, 0.0), zero, g[0] * ef * b.Pow(a, ef - 1))
     de = None
-    if n.needs_grad(1):  # d/de a^e = a^e log a, taken as 0 at a = 0 (where a^e is 0 for e > 0)
-        safe_log = b.Log(b.Where(b.Equal(a, 0.0), 1.0, a, _like=a))
-        de = g[0] * y * safe_log
+    if n.needs_grad(1):  # d/de a^e = a^e log a; torch takes 0 at a = 0 for e >= 0 (0 * -inf)
+        at_zero = b.And(b.Equal(a, 0.0), b.GreaterOrEqual(ef, 0.0))
+        de = b.Where(at_zero, zero, g[0] * y * b.Log(a))
     return [da, de]
 
 

@@ -68,9 +68,40 @@ def _mean_factor(b, x, y, n):
     return b.Reciprocal(count)
 
 
+# Node metadata: "first" = a tie's gradient goes to the first extreme along the one reduced
+# axis (torch.max(x, dim) / min(x, dim), whose index is ArgMax's), set from the exporter's
+# record of the call (passes.exports.conventions); without it ties share (torch.amax/amin).
+EXTREME_TIES_KEY = "gradgraph.extreme_ties"
+_ARG_OF = {"ReduceMax": "ArgMax", "ReduceMin": "ArgMin"}
+
+
+def _first_axis(b, n):
+    """The one reduced axis when ties go to the first extreme (marked, or X also read by an
+    ArgMax/ArgMin over that axis with the same keepdims: torch.max(x, dim)'s two outputs),
+    else None."""
+    axes = _axes(b, n)
+    if not isinstance(axes, list) or len(axes) != 1:
+        return None
+    if n.node.metadata_props.get(EXTREME_TIES_KEY) == "first":
+        return axes[0]
+    for user, _ in n.node.inputs[0].uses():
+        if (user.op_type == _ARG_OF[n.node.op_type] and user.domain in ("", "ai.onnx")
+                and user.attributes.get_int("axis", 0) == axes[0]
+                and not user.attributes.get_int("select_last_index", 0)
+                and user.attributes.get_int("keepdims", 1) == n.attr("keepdims", 1)):
+            return axes[0]
+    return None
+
+
 def _extreme_factor(b, x, y, n):
-    """Ties share the gradient evenly (torch.amax/amin semantics)."""
-    mask = b.CastLike(b.Equal(x, y()), x)
+    """Ties share the gradient evenly (torch.amax/amin semantics), or go to the first extreme
+    where torch's max(dim)/min(dim) picked it (:func:`_first_axis`)."""
+    hit = b.Equal(x, y())
+    mask = b.CastLike(hit, x)
+    axis = _first_axis(b, n)
+    if axis is not None:  # the first hit along the axis: the running count of hits is 1 there
+        first = b.And(hit, b.Equal(b.CumSum(mask, b.const([axis], "int64")), 1.0))
+        return b.CastLike(first, x)
     return mask / _sum_back(b, n, mask)
 
 
