@@ -783,3 +783,86 @@ def test_every_train_flag_has_a_case() -> None:
         # test_train_checkpoint_flags
         "--nproc"}  # tests/test_distributed.py::test_cli_nproc_2_is_one_process_with_twice_the_batch
     assert flags == covered
+
+
+# ---- ORTModule ------------------------------------------------------------------------------------
+
+
+def _ortmodule_run(tmp_path: Path, name: str, **kwargs: Any) -> dict[str, bytes]:
+    """One training call of ORTModule on a small MLP with save_onnx: the graphs it wrote."""
+    torch = pytest.importorskip("torch")
+    from gradgraph.torch import DebugOptions, ORTModule
+
+    torch.manual_seed(0)
+
+    class Foldable(torch.nn.Module):
+        """Something for the optimizer: a constant computed in the forward, shape arithmetic."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 8)
+
+        def forward(self, x: Any) -> Any:
+            y = self.lin(x) * (torch.ones(8) * 2.0 + 1.0)
+            return y.reshape(y.shape[0] * 2, y.shape[1] // 2)
+
+    module = Foldable()
+    prefix = tmp_path / name
+    mine = ORTModule(module, DebugOptions(save_onnx=True, onnx_prefix=str(prefix)), **kwargs)
+    mine(torch.randn(3, 4)).sum().backward()
+    return {p.name[len(name):]: p.read_bytes() for p in sorted(tmp_path.glob(f"{name}_*.onnx"))}
+
+
+def test_ortmodule_arguments_take_effect(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    import onnxruntime as ort
+
+    from gradgraph.torch import ORTModule
+
+    # debug_options: save_onnx / onnx_prefix write the graphs (log_level: tests/test_ortmodule.py
+    # test_debug_log_levels)
+    plain = _ortmodule_run(tmp_path, "default")
+    assert "_optimized_pre_grad_training.onnx" in plain
+    # optimize: onnxscript's optimizer on the exported graph, or not
+    unoptimized = _ortmodule_run(tmp_path, "unoptimized", optimize=False)
+    key = "_optimized_pre_grad_training.onnx"
+    assert unoptimized[key] != plain[key]
+    # threads: onnxruntime's intra-op threads of every session
+    seen: list[int] = []
+
+    class Recording(ort.InferenceSession):
+        def __init__(self, model: Any, sess_options: Any = None, *args: Any, **kwargs: Any) -> None:
+            seen.append(sess_options.intra_op_num_threads if sess_options is not None else -1)
+            super().__init__(model, sess_options, *args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", Recording)
+    _ortmodule_run(tmp_path, "one_thread", threads=1)
+    assert seen and set(seen) == {1}
+    seen.clear()
+    _ortmodule_run(tmp_path, "default_threads")
+    assert seen and set(seen) != {1}  # onnxruntime's default (0: one per core)
+    monkeypatch.undo()
+    # fallback: "warn" runs an unexportable module in PyTorch with a warning, "raise" refuses
+    pool, x = torch.nn.AdaptiveMaxPool2d(3), torch.randn(1, 2, 7, 7)
+    with pytest.warns(RuntimeWarning, match="adaptive_max_pool2d"):
+        torch.testing.assert_close(ORTModule(pool, fallback="warn")(x), pool(x))
+    with pytest.raises(Exception, match="adaptive_max_pool2d"):
+        ORTModule(pool, fallback="raise")(x)
+    # force_threads: more threads than cores only when forced
+    import os
+
+    many = (os.cpu_count() or 1) + 1
+    with pytest.raises(ValueError, match="force_threads=True"):
+        ORTModule(torch.nn.Linear(2, 2), threads=many)
+    ORTModule(torch.nn.Linear(2, 2), threads=many, force_threads=True)
+
+
+def test_every_ortmodule_argument_has_a_case() -> None:
+    pytest.importorskip("torch")
+    import inspect
+
+    from gradgraph.torch import DebugOptions, ORTModule
+
+    arguments = set(inspect.signature(ORTModule.__init__).parameters) - {"self", "module"}
+    assert arguments == {"debug_options", "fallback", "optimize", "threads", "force_threads"}
+    assert {f.name for f in dataclasses.fields(DebugOptions)} == {"save_onnx", "onnx_prefix", "log_level"}
