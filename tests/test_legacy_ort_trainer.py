@@ -33,6 +33,8 @@ from gradgraph.torch.ort_trainer import (  # noqa: E402
     LossScaler,
     ModelDescription,
     ORTTrainer,
+    load_checkpoint,
+    save_checkpoint,
 )
 
 RTOL = 1e-5
@@ -295,6 +297,26 @@ def test_state_dict_round_trip_continues_training_exactly(onnx_net):
         second.load_state_dict({"fc1.weight": state["fc1.weight"]}, strict=True)
 
 
+def test_legacy_checkpoint_functions_round_trip(onnx_net, tmp_path):
+    first = _trainer(onnx_net, "AdamOptimizer", None)
+    batches = _batches(3)
+    for x, y in batches[:2]:
+        first.train_step(x, y, torch.tensor([0.01]))
+    save_checkpoint(first, tmp_path, checkpoint_state_dict={"epoch": 2, "note": "warm"})
+    assert [p.name for p in tmp_path.iterdir()] == ["ORT_checkpoint.ort.pt"]
+    with pytest.warns(RuntimeWarning, match="exists; it is replaced"):
+        save_checkpoint(first, tmp_path)
+    save_checkpoint(first, tmp_path, checkpoint_state_dict={"epoch": 2})
+    second = _trainer(onnx_net, "AdamOptimizer", None)
+    assert load_checkpoint(second, tmp_path, strict=True) == {"epoch": 2}
+    for trainer in (first, second):
+        trainer.train_step(*batches[2], torch.tensor([0.01]))
+    for name, value in first.state_dict().items():
+        np.testing.assert_array_equal(second.state_dict()[name].numpy(), value.numpy(), err_msg=name)
+    with pytest.raises(FileNotFoundError, match="no other.ort.pt"):
+        load_checkpoint(second, tmp_path, "other")
+
+
 # ---- mixed precision -------------------------------------------------------------------------
 def test_mixed_precision_returns_all_finite_and_skips_a_bad_step(onnx_net):
     trainer = _trainer(onnx_net, use_mixed_precision=True, gradient_accumulation_steps=2)
@@ -456,10 +478,25 @@ def one_process(tmp_path_factory) -> Path:
 def test_two_ranks_under_torchrun_equal_one_process_on_the_doubled_batch(tmp_path, one_process, zero):
     one, two = one_process, tmp_path / "two"
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          _WORKER, str(two), str(STEPS), "4", str(zero)])
+          _WORKER, str(two), str(STEPS), "4", str(zero), str(tmp_path)])
     single, double = np.load(str(one) + ".npz"), np.load(str(two) + ".npz")
     assert sorted(single.files) == sorted(double.files) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     for name in single.files:
         np.testing.assert_allclose(double[name], single[name], rtol=1e-5, atol=1e-7, err_msg=name)
     for run in (one, two):
         assert json.loads(Path(str(run) + ".json").read_text())["global_step"] == STEPS
+    files = sorted(p.name for p in tmp_path.glob("*.ort.pt"))
+    assert files == (["ORT_checkpoint.ZeRO.0.2.ort.pt", "ORT_checkpoint.ZeRO.1.2.ort.pt"] if zero
+                     else ["ORT_checkpoint.ort.pt"])
+    if zero:  # the ranks' partitions merged into one process: every weight's moments
+        sys.path.insert(0, str(Path(_WORKER).parent))
+        from legacy_trainer_worker import make_trainer
+
+        trainer = make_trainer()
+        x, y = _batches(1)[0]
+        trainer.eval_step(x, y)  # builds
+        assert load_checkpoint(trainer, tmp_path) == {"epoch": 3}
+        state = trainer.state_dict()
+        for name in single.files:
+            np.testing.assert_allclose(state[name].numpy(), single[name], rtol=1e-5, atol=1e-7, err_msg=name)
+            assert state[f"Moment_1_{name}"].abs().sum() > 0, name

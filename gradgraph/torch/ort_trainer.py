@@ -28,6 +28,9 @@ session, data parallelism). What the legacy API adds:
    ``loss_scaler``, the last micro-step of an accumulation also returns ``all_finite``. A step
    whose gradients are not finite is skipped; ``global_step`` counts the applied updates.
 4. ``eval_step(*inputs, fetches=None)``: model_desc's outputs (or ``fetches``) of the eval graph.
+5. ``state_dict(include_optimizer_state=True)``: a flat dict (weights, ``<kind>_<weight>``
+   optimizer state, the shared step); the module's ``save_checkpoint`` / ``load_checkpoint``
+   write and read it (``<prefix>.ort.pt``, one file per rank with ZeRO, merged on load).
 
 Refused by name: ``enable_adasum=True``, ``use_memory_efficient_gradient=True``,
 ``deepspeed_zero_stage`` above 1. Always on: ``run_symbolic_shape_infer`` (ONNX shape inference
@@ -40,6 +43,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,7 +57,7 @@ from gradgraph.torch.trainer_options import ORTTrainerOptions
 from gradgraph.training.session import TrainingSession
 from gradgraph.validate import close_matches
 
-__all__ = ["IODescription", "LossScaler", "ModelDescription", "ORTTrainer"]
+__all__ = ["IODescription", "LossScaler", "ModelDescription", "ORTTrainer", "load_checkpoint", "save_checkpoint"]
 
 # onnxruntime's optimizer ops: the attributes a weight may set, and those one value for all
 _PER_WEIGHT = {"SGDOptimizer": (),
@@ -292,6 +296,7 @@ class ORTTrainer:
         self.use_mixed_precision = bool(use_mixed_precision)
         self.gradient_accumulation_steps = options.batch.gradient_accumulation_steps
         self.world_rank, self.world_size = world_rank, world_size
+        self.deepspeed_zero_stage_ = deepspeed_zero_stage
         self.global_step_ = _count("global_step", global_step, 0)
         self.get_lr_this_step_ = get_lr_this_step
         self.loss_scaler_ = loss_scaler
@@ -509,3 +514,53 @@ def _number(what: str, value: Any) -> float:
     if array.size != 1 or array.dtype.kind not in "iuf":
         raise ValueError(f"ORTTrainer: {what} must be one number (a tensor of shape [1]); got {value!r}")
     return float(array.reshape(-1)[0])
+
+
+# ---- the legacy module's checkpoint functions ------------------------------------------------------
+def _checkpoint_name(prefix: str, trainer: ORTTrainer) -> str:
+    """``<prefix>.ort.pt``, or one file per rank with ZeRO: ``<prefix>.ZeRO.<rank>.<size>.ort.pt``."""
+    if trainer.deepspeed_zero_stage_ > 0 and trainer.world_size > 1:
+        return f"{prefix}.ZeRO.{trainer.world_rank}.{trainer.world_size}.ort.pt"
+    return f"{prefix}.ort.pt"
+
+
+def save_checkpoint(model: ORTTrainer, checkpoint_dir: str | os.PathLike, checkpoint_prefix: str = "ORT_checkpoint",
+                    checkpoint_state_dict: dict[str, Any] | None = None, include_optimizer_state: bool = True) -> None:
+    """Write ``{'model': model.state_dict(include_optimizer_state), **checkpoint_state_dict}`` to
+    ``checkpoint_dir/<prefix>.ort.pt`` (with ZeRO, each rank its own file), atomically; an
+    existing file is replaced with a warning, as the reference did."""
+    from gradgraph.io import atomic_output_path
+
+    if not Path(checkpoint_dir).is_dir():
+        raise FileNotFoundError(f"save_checkpoint: checkpoint directory {str(checkpoint_dir)!r} does not exist")
+    state = {**(checkpoint_state_dict or {}), "model": model.state_dict(include_optimizer_state)}
+    path = Path(checkpoint_dir) / _checkpoint_name(checkpoint_prefix, model)
+    if path.exists():
+        warnings.warn(f"save_checkpoint: {str(path)!r} exists; it is replaced", RuntimeWarning, stacklevel=2)
+    with atomic_output_path(path) as tmp:
+        torch.save(state, tmp)
+
+
+def load_checkpoint(model: ORTTrainer, checkpoint_dir: str | os.PathLike, checkpoint_prefix: str = "ORT_checkpoint",
+                    strict: bool = False) -> dict[str, Any]:
+    """Load the checkpoint of ``save_checkpoint`` (the ranks' ZeRO files merged) into ``model``;
+    returns what was saved beside the model."""
+    files = sorted(Path(checkpoint_dir).glob(f"{checkpoint_prefix}.ort.pt")) or sorted(
+        Path(checkpoint_dir).glob(f"{checkpoint_prefix}.ZeRO.*.ort.pt"))
+    if not files:
+        raise FileNotFoundError(f"load_checkpoint: no {checkpoint_prefix}.ort.pt (or ZeRO rank files) in "
+                                f"{str(checkpoint_dir)!r}")
+    merged: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for file in files:
+        try:
+            loaded = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - pickle and torch raise many types
+            raise ValueError(f"load_checkpoint: {str(file)!r} is not a checkpoint of save_checkpoint "
+                             f"({type(exc).__name__}: {str(exc)[:200]})") from exc
+        if not isinstance(loaded, dict) or "model" not in loaded:
+            raise ValueError(f"load_checkpoint: {str(file)!r} has no 'model' entry (not written by save_checkpoint)")
+        merged.update(loaded.pop("model"))  # ZeRO: each rank's optimizer partition, the same weights
+        rest = loaded
+    model.load_state_dict(merged, strict=strict)
+    return rest

@@ -19,13 +19,16 @@ and run by :class:`gradgraph.TrainingSession`: its options come from ORTTrainerO
 (``batch.gradient_accumulation_steps``, ``utils.grad_norm_clip`` with the config's
 ``max_norm_clip``, ``mixed_precision``, ``graph_transformer`` recompute and cast propagation,
 ``debug.graph_save_paths``, ``_internal_use.enable_internal_postprocess`` (gradgraph's
-clean-up passes) and ``extra_postprocess``, ``session_options``, ``provider_options``).
+clean-up passes) and ``extra_postprocess``, ``session_options``, ``provider_options`` (CUDA's;
+the CPU provider's are refused: onnxruntime drops them unread)). ``model_desc``'s outputs are
+checked against what the model returns on the first step (or an ONNX model declares).
 
 Not implemented, refused with ``NotImplementedError`` naming the option: distributed and
 pipeline training (``distributed.*`` other than its defaults), ``utils.memory_efficient_gradient``.
 Accepted without effect (nothing to do in gradgraph): ``utils.run_symbolic_shape_infer`` (ONNX
-shape inference always runs), ``_internal_use.enable_onnx_contrib_ops`` (exports use standard
-ops), ``graph_transformer.allow_layer_norm_mod_precision``.
+shape inference always runs); ``graph_transformer.allow_layer_norm_mod_precision`` warns (LayerNorm
+statistics stay fp32). ``_internal_use.enable_onnx_contrib_ops=False``: standard ONNX ops only
+(``GraphTransformerOptions.contrib_ops``).
 """
 
 from __future__ import annotations
@@ -438,6 +441,7 @@ class ORTTrainer:
                                  max_grad_norm=float(cfg.max_norm_clip) if clip else None),  # type: ignore[attr-defined]
             graph_transformer=GraphTransformerOptions(
                 cleanup=opts._internal_use.enable_internal_postprocess,
+                contrib_ops=opts._internal_use.enable_onnx_contrib_ops,
                 propagate_cast_ops=CastPropagationConfig(cast.strategy, cast.level, tuple(cast.allow)),
                 recompute=recompute),
             mixed_precision=mp,
@@ -458,6 +462,10 @@ class ORTTrainer:
             config = DistributedConfig(world_size=dist.world_size, rank=dist.world_rank, **common)
         else:
             config = DistributedConfig.from_env(**common)
+        if not config.active and (config.zero_stage or opts.was_set("distributed.allreduce_post_accumulation")):
+            warnings.warn("ORTTrainerOptions 'distributed.deepspeed_zero_optimization.stage' / "
+                          "'distributed.allreduce_post_accumulation' change nothing in a single "
+                          "process (world size 1)", UserWarning, stacklevel=3)
         return config if config.active else None
 
     def _frozen_graph_names(self) -> set[str]:
