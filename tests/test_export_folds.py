@@ -453,3 +453,24 @@ def test_a_merged_call_reading_another_parameters_initializer_is_split(tmp_path:
     kept = {i.name for i in onnx.load(str(path), load_external_data=False).graph.initializer}
     assert "gate" in kept and not {"ln_1.weight", "ln_2.weight", "ln_2.bias"} & kept, sorted(kept)
     assert {"ln_1.weight", "ln_2.weight", "ln_2.bias"} <= set(got)
+
+
+def test_a_node_reading_the_survivor_and_the_merged_call_gets_both_back(tmp_path: Path) -> None:
+    """``ln_a(x) * ln_b(x)``: after the merge the Mul reads one value twice; its recorded
+    call says the second input was ln_b's."""
+
+    class Product(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln_a, self.ln_b = nn.LayerNorm(16), nn.LayerNorm(16)
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.fc(self.ln_a(x) * self.ln_b(x)), y)
+
+    torch.manual_seed(0)
+    path = tmp_path / "product.onnx"
+    got = assert_trains_like_torch(Product(), (torch.randn(8, 16), torch.randn(8, 4)), ["x", "y"], path)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    assert sum(n.op_type == "LayerNormalization" for n in graph.node) == 1, "no merge: the test needs a new model"
+    assert {"ln_b.weight", "ln_b.bias"} <= set(got)

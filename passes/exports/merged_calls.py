@@ -9,9 +9,11 @@ node: the second module's parameters vanish, and the survivor's parameters would
 with the sum of both gradients. Every node records its torch call (``fx_call``) with the FX
 names of its inputs, and a call's output value is named after its FX node, so:
 
-1. a consumer ``C`` whose input ``V`` is the output of another call ``P`` (FX name ``p``), whose
-   recorded args do not name ``%p`` but name exactly one value ``x`` that no longer exists and
-   whose FX name has ``p``'s base (``layer_norm_1`` / ``layer_norm``), read the merged call ``x``;
+1. a consumer ``C`` reads the output ``V`` of another call ``P`` (FX name ``p``) where its
+   recorded call names a value ``x`` that no longer exists, with ``p``'s base name
+   (``layer_norm_1`` / ``layer_norm``): ``C`` read the merged call ``x``. Inputs and recorded
+   args of that base are paired in order (``ln_a(x) * ln_b(x)`` reads ``V`` twice, the second
+   time for ``x``); a single vanished name that ``C`` reads ``V`` for takes all such inputs;
 2. if ``P``'s nodes that compute ``V`` read no parameter, the merge is exact (the same function
    of the same values, so the same gradients): left alone;
 3. else those nodes are cloned for ``x``'s consumers (the clone's output is named ``x`` and its
@@ -28,8 +30,10 @@ names of its inputs, and a call's output value is named after its FX node, so:
    c. when no lost module fits at all: nothing is split. The vanished call read the survivor's
       own parameters (one module applied twice to the same input), and the merged node's
       gradient is torch's;
-4. a merge that cannot be cloned (a node of the call holds a subgraph, or the consumer sits in
-   a subgraph) raises :class:`GradientError` naming the call and ``optimize=False``.
+4. a merge that cannot be undone raises :class:`GradientError` naming the calls and
+   ``optimize=False``: the uses cannot be paired (a node of a several-node call, repeated
+   args), the call holds a subgraph, or the consumer sits in one. Merges of calls that read
+   no parameter are left alone in each case (rule 2).
 """
 
 from __future__ import annotations
@@ -81,19 +85,39 @@ class SplitMergedCallsPass(InPlacePass):
         if signature is None:
             return PassResult(model, False)
         graph = model.graph
-        merges = self._find(graph, signature)
-        if not merges:
+        merges, unmapped = self._find(graph, signature)
+        if not merges and not unmapped:
             return PassResult(model, False)
         parameters = signature.parameters
         self._placeholders = signature.targets("PARAMETER")
+
+        def reads_of(nodes: list[ir.Node]) -> list[ir.Value]:
+            return list(dict.fromkeys(v for n in nodes for v in n.inputs if v is not None and v.is_initializer()
+                                      and (v.name in parameters or RECOVERED_KEY in v.metadata_props)))
+
+        for value, calls in unmapped:  # rule 4
+            if reads_of(self._call_nodes(value)):
+                raise GradientError(
+                    f"the exporter's optimizer merged torch calls {['%' + n for n in calls]} into "
+                    f"%{fx_name(value.producer())} (equal at init), and a node reads several of them, so "  # type: ignore[arg-type]
+                    "gradgraph cannot tell which use was which; re-export with "
+                    "torch.onnx.export(..., optimize=False)")
         lost = self._lost_unread(graph, signature)
         modified = False
         for (value, merged), uses in merges.items():
             nodes = self._call_nodes(value)
-            reads = list(dict.fromkeys(v for n in nodes for v in n.inputs if v is not None and v.is_initializer()
-                                       and (v.name in parameters or RECOVERED_KEY in v.metadata_props)))
+            reads = reads_of(nodes)
             if not reads:
                 continue  # rule 2: the same function of the same values
+            nested = value.graph is not graph or any(c.graph is not graph for c, _ in uses)
+            if nested or any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+                             for n in nodes for a in n.attributes.values()):
+                raise GradientError(
+                    f"the exporter's optimizer merged torch call %{merged} into %{fx_name(nodes[-1])} "
+                    "(equal at init) "
+                    + ("inside a subgraph" if nested else "whose nodes hold a subgraph")
+                    + ", where gradgraph cannot give it back; re-export with "
+                    "torch.onnx.export(..., optimize=False)")
             names = self._names(self._torch_names(nodes, reads), lost, uses[0][0], merged, value)
             if names is None:
                 continue  # rule 3c
@@ -104,33 +128,45 @@ class SplitMergedCallsPass(InPlacePass):
 
     # ---- detection ---------------------------------------------------------------------------
 
-    def _find(self, graph: ir.Graph, signature: TorchSignature) -> dict[tuple[ir.Value, str], list[tuple[ir.Node, int]]]:
+    @staticmethod
+    def _find(graph: ir.Graph, signature: TorchSignature) -> tuple[
+            dict[tuple[ir.Value, str], list[tuple[ir.Node, int]]], list[tuple[ir.Value, list[str]]]]:
+        """({(survivor output, vanished FX name): [(consumer, input index)]}, [(survivor output,
+        vanished names) a consumer reads but whose uses cannot be told apart])."""
         existing = {v.name for n in ir.traversal.RecursiveGraphIterator(graph) for v in n.outputs}
         existing |= {v.name for v in graph.inputs} | set(graph.initializers)
         merges: dict[tuple[ir.Value, str], list[tuple[ir.Node, int]]] = {}
+        unmapped: list[tuple[ir.Value, list[str]]] = []
         for node in ir.traversal.RecursiveGraphIterator(graph):
             call, own = fx_call(node), fx_name(node)
             if call is None:
                 continue
             recorded = call.placeholders()
+            reads: dict[str, list[tuple[int, ir.Value, str]]] = {}  # base -> inputs from other calls
             for index, value in enumerate(node.inputs):
                 producer = value.producer() if value is not None else None
                 source = fx_name(producer) if producer is not None else None
-                if value is None or source is None or source == own or source in recorded:
+                if value is not None and source is not None and source != own:
+                    reads.setdefault(_base(source), []).append((index, value, source))
+            for base, inputs in reads.items():
+                args = [a for a in recorded if _base(a) == base and a not in signature.kinds]
+                vanished = [a for a in args if a not in existing]
+                if not vanished:
                     continue
-                vanished = [a for a in recorded if a not in existing and a not in signature.kinds
-                            and _base(a) == _base(source)]
-                if len(set(vanished)) != 1:
+                if len(args) == len(inputs):  # one recorded arg per input, in order
+                    pairs = [(index, value, arg) for (index, value, _), arg in zip(inputs, args, strict=True)]
+                elif len(set(vanished)) == 1 and not any(source in recorded for _, _, source in inputs):
+                    pairs = [(index, value, vanished[0]) for index, value, _ in inputs]
+                else:  # a node of a several-node call, or repeated args: uses cannot be told apart
+                    unmapped.extend((value, sorted(set(vanished))) for _, value, _ in inputs)
                     continue
-                if node.graph is not graph or producer is None or producer.graph is not graph:
-                    raise GradientError(
-                        f"the exporter's optimizer merged torch call %{vanished[0]} into %{source} "
-                        "inside a subgraph, where gradgraph cannot give it back; re-export with "
-                        "torch.onnx.export(..., optimize=False)")
-                merges.setdefault((value, vanished[0]), []).append((node, index))
-        return merges
+                for index, value, arg in pairs:
+                    if arg not in existing:
+                        merges.setdefault((value, arg), []).append((node, index))
+        return merges, unmapped
 
-    def _call_nodes(self, value: ir.Value) -> list[ir.Node]:
+    @staticmethod
+    def _call_nodes(value: ir.Value) -> list[ir.Node]:
         """The nodes of ``value``'s call that ``value`` depends on, in graph order."""
         producer = value.producer()
         assert producer is not None
@@ -141,14 +177,11 @@ class SplitMergedCallsPass(InPlacePass):
             node = stack.pop()
             if id(node) in found:
                 continue
-            if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
-                raise GradientError(
-                    f"the exporter's optimizer merged a torch call into %{fx} ({node.op_type} node "
-                    f"{node.name!r} holds a subgraph), which gradgraph cannot give back; re-export "
-                    "with torch.onnx.export(..., optimize=False)")
             found[id(node)] = node
-            stack.extend(v.producer() for v in node.inputs  # type: ignore[misc]
-                         if v is not None and v.producer() is not None and fx_name(v.producer()) == fx)  # type: ignore[arg-type]
+            for v in node.inputs:
+                source = v.producer() if v is not None else None
+                if source is not None and fx_name(source) == fx:
+                    stack.append(source)
         order = {id(n): i for i, n in enumerate(producer.graph or [])}
         return sorted(found.values(), key=lambda n: order.get(id(n), 0))
 
