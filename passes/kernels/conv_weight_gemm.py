@@ -14,10 +14,9 @@ that is the product of ``W`` flattened to ``(M, C/g * K)`` with the window of ``
 position ``t`` reads (a ``Slice`` with step ``dilation``), flattened to ``(B, C/g * K)``. Forms
 (picked by :class:`ConvGemmOptions` from the shapes):
 
-1. ``unfold`` (group 1, fewer than ``taps_min_rows`` rows B): the T windows concatenated,
-   ``(T*B, C*K)``, one ``Gemm`` with ``transB`` (im2col + GEMM, as torch computes a weight
-   gradient);
-2. ``taps`` (group 1, B >= ``taps_min_rows``, or an unfold above ``max_unfold_bytes``): one
+1. ``unfold`` (group 1): the T windows concatenated, ``(T*B, C*K)``, one ``Gemm`` with
+   ``transB`` (im2col + GEMM, as torch computes a weight gradient);
+2. ``taps`` (group 1, an unfold above ``max_unfold_bytes`` or of a symbolic channel count): one
    ``Gemm`` per position, ``W (M, C*K) x window^T``;
 3. ``grouped`` (group > 1, depthwise included): per position a batched ``MatMul`` over the
    groups, ``(g, M/g, C/g*K) x (g, C/g*K, B)``; only where the windows are read with step 1
@@ -25,8 +24,9 @@ position ``t`` reads (a ``Slice`` with step ``dilation``), flattened to ``(B, C/
 
 Measured (tools/ab_pass.py and single-Conv A/Bs, medians of interleaved ratios on a shared,
 loaded 2-core machine; docs/passes.md, Convolutions): the benchmark CNN's three weight
-gradients 0.6-0.8x the Conv (unfold for its 3 input channels, taps for 32 and 64), a 1x1
-conv's 0.3-0.4x, depthwise stride 1 0.3x; depthwise stride 2 1.4x (left alone).
+gradients 0.6-0.8x the Conv (taps as fast for 32 and 64 input channels, 1.4x the Conv for 3
+input channels and for 256 channels at 4x4), a 1x1 conv's 0.3-0.4x, depthwise stride 1 0.3x;
+depthwise stride 2 1.4x (left alone).
 
 The positions' results are stacked, transposed to ``(B, M, T)`` and reshaped to Y's shape (a
 bias input is added). Pads (explicit, ``VALID`` or ``SAME_*``) become one ``Pad``.
@@ -65,12 +65,11 @@ class ConvGemmOptions:
 
     # At most this many output positions (one window and one GEMM term each): 7x7x7 kernels.
     max_output_positions: int = 343
-    # Kernel taps per output position at least this (the correlation of a weight gradient has
-    # N*H*W kernel taps for k*k positions; a forward Conv's kernel is smaller than its output).
-    min_kernel_per_position: float = 4.0
-    # Group 1: per-position Gemms when each has at least this many rows (B, the input channels
-    # of the weight gradient); fewer rows make thin GEMMs, and the unfold stacks them into one.
-    taps_min_rows: int = 16
+    # Kernel taps per output position more than this (the correlation of a weight gradient has
+    # H*W kernel taps for k*k positions, times N channels; a forward Conv's kernel is smaller
+    # than its output: ResNet's last 3x3 stage at 4x4 has 16 taps for 9 positions, its forward
+    # 9 for 16).
+    min_kernel_per_position: float = 1.0
     # Largest concatenated window tensor (bytes) built for the unfold form; above, per-position Gemms.
     max_unfold_bytes: int = 256 * 1024 * 1024
     # Groups > 1: rewritten only when the windows are read with at most this step (the Conv's
@@ -157,7 +156,7 @@ def choose_form(geo: _Geometry, options: ConvGemmOptions) -> str | None:
         return None
     if geo.group > 1:
         return "grouped" if max(geo.dilations) <= options.grouped_max_window_step else None
-    if geo.batch >= options.taps_min_rows or geo.channels is None:
+    if geo.channels is None:
         return "taps"
     unfold = geo.positions * geo.batch * geo.channels * math.prod(geo.kernel) * geo.itemsize
     return "unfold" if unfold <= options.max_unfold_bytes else "taps"
