@@ -474,3 +474,16 @@ def test_a_node_reading_the_survivor_and_the_merged_call_gets_both_back(tmp_path
     graph = onnx.load(str(path), load_external_data=False).graph
     assert sum(n.op_type == "LayerNormalization" for n in graph.node) == 1, "no merge: the test needs a new model"
     assert {"ln_b.weight", "ln_b.bias"} <= set(got)
+
+
+def test_no_trained_parameter_advice_is_followable_by_train(tmp_path: Path, capsys) -> None:
+    """``train`` has no --weights: the refusal points at --list-weights and says where naming
+    the weights is possible."""
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[4, 3] x) => (float loss) { sq = Mul(x, x) loss = ReduceSum <keepdims = 0> (sq) }""")
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.ones((4, 3), np.float32))
+    assert cli_main(["train", str(tmp_path / "m.onnx"), "--loss", "loss", "--data", str(tmp_path / "d.npz"),
+                     "--steps", "1", "--batch-size", "4", "--checkpoint-dir", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "no parameter" in err and "--list-weights" in err and "grad/check --weights" in err, err

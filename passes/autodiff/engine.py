@@ -341,7 +341,9 @@ class GradientSweep:
             self.weights = [w for w in self.weights if id(w) in needs]
             if not self.weights:
                 raise GradientError(f"no parameter (floating-point initializer) reaches loss "
-                                    f"{self._loss_text()}; name the weights to train explicitly")
+                                    f"{self._loss_text()}; --list-weights shows each initializer "
+                                    "and why it is not trained; to differentiate others, name them "
+                                    "(grad/check --weights, weights_to_train in the Python API)")
         unused = [w for w in self.weights if id(w) not in needs]
         if self.options.omit_unused:
             # PyTorch's convention: a zero gradient where a way to the loss runs through an op
