@@ -277,9 +277,10 @@ class ORTTrainer:
                                                             gradient_accumulation_steps, 1)},
             "device": {"id": _device(device)},
             "distributed": {"world_rank": world_rank, "world_size": world_size,
-                            "data_parallel_size": world_size,
-                            "allreduce_post_accumulation": allreduce_post_accumulation,
-                            "deepspeed_zero_optimization": {"stage": deepspeed_zero_stage}},
+                            "data_parallel_size": world_size,  # one process: warned above, by their names
+                            **({"allreduce_post_accumulation": allreduce_post_accumulation,
+                                "deepspeed_zero_optimization": {"stage": deepspeed_zero_stage}}
+                               if world_size > 1 else {})},
             "mixed_precision": mixed,
             # the legacy trainer had no cast propagation (the newer options' default level is 1)
             "graph_transformer": {"propagate_cast_ops_config": {"level": -1}},
