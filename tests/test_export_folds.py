@@ -487,3 +487,47 @@ def test_no_trained_parameter_advice_is_followable_by_train(tmp_path: Path, caps
                      "--steps", "1", "--batch-size", "4", "--checkpoint-dir", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
     assert "no parameter" in err and "--list-weights" in err and "grad/check --weights" in err, err
+
+
+def _merged_fixture(consumer_args: str) -> onnx.ModelProto:
+    """A LayerNorm of module ``a`` that two merged calls of ``b`` and ``c`` vanished into, read
+    by one Mul whose recorded call is ``consumer_args``; written as ONNX text with the metadata a
+    dynamo export keeps."""
+    import onnx_ir as ir
+
+    model = ir.from_onnx_text("""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 4] x) => (float loss) <float[4] a_weight = {1., 1., 1., 1.}, float[4] a_bias = {0., 0., 0., 0.}> {
+            layer_norm = LayerNormalization <axis = -1> (x, a_weight, a_bias)
+            mul = Mul(layer_norm, x)
+            loss = ReduceSum <keepdims = 0> (mul)
+        }""")
+    for leaf in ("weight", "bias"):  # torch names have dots, which ONNX text does not take
+        value = model.graph.initializers.pop(f"a_{leaf}")
+        value.name = f"a.{leaf}"
+        model.graph.register_initializer(value)
+    model.graph.metadata_props["pkg.torch.export.ExportedProgram.graph_signature"] = "\n".join(
+        f"p_{m}_{leaf}: PARAMETER target='{m}.{leaf}'" for m in "abc" for leaf in ("weight", "bias")
+    ) + "\nx: USER_INPUT"
+    fx = "pkg.torch.onnx.fx_node"
+    norm, mul, _ = list(model.graph)
+    norm.metadata_props[fx] = ("%layer_norm : [num_users=1] = call_function[target=torch.ops.aten.layer_norm"
+                               ".default](args = (%x, [4], %p_a_weight, %p_a_bias, 1e-05, False), kwargs = {})")
+    mul.metadata_props[fx] = ("%mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor]"
+                              f"(args = ({consumer_args}), kwargs = {{}})")
+    return ir.to_proto(model)
+
+
+def test_a_merge_whose_uses_cannot_be_told_apart_is_refused_by_name() -> None:
+    import onnx_ir as ir
+
+    from passes.exports import SplitMergedCallsPass
+
+    with pytest.raises(gradgraph.GradientError, match=r"%layer_norm_1.*%layer_norm_2.*optimize=False"):
+        SplitMergedCallsPass()(ir.from_proto(_merged_fixture("%layer_norm_1, %layer_norm_2, %x")))
+    # one recorded vanished call per input: split; b and c both lost, nothing tells which
+    model = ir.from_proto(_merged_fixture("%layer_norm_1, %x"))
+    split = SplitMergedCallsPass()
+    with pytest.warns(UserWarning, match=r"modules \['b', 'c'\]"):
+        assert split(model).modified and split.split == ["layer_norm_1"]
+    assert {"a.weight@merged:layer_norm_1", "a.bias@merged:layer_norm_1"} <= set(model.graph.initializers)
+    assert [n.inputs[0].name for n in model.graph if n.op_type == "Mul"] == ["layer_norm_1"]
