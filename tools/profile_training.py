@@ -3,8 +3,9 @@
     python tools/profile_training.py [--models bert,gpt2,mlp] [--steps 10] [--threads 2] [--top 15]
                                      [--keep DIR] [--json out.json]
 
-The models are the benchmark's (tools/bench_training.py: the peer definitions in ../shared/peer,
-exported with the legacy exporter in training mode; AdamW lr 1e-3, eps 1e-6, no weight decay).
+The models are the benchmark's (tools/bench_training.py's MODELS: the peer definitions in
+../shared/peer and the CNNs of tools/cnn_models.py, exported with the legacy exporter in
+training mode; AdamW lr 1e-3, eps 1e-6, no weight decay).
 Each model runs in its own child process: the training session is built, --warmup steps run,
 then --steps steps run with onnxruntime's profiler on. Printed per model:
 
