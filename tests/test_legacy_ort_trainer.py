@@ -393,6 +393,11 @@ def test_gradgraphs_dynamic_loss_scaler_is_kept_by_the_graph(onnx_net):
     ({"loss_scaler": LossScaler("s", True)}, "loss_scaler"),
     ({"_opset_version": 9}, "_opset_version"),
     ({"_extra_postprocess": "strip"}, "_extra_postprocess"),
+    ({"enable_grad_norm_clip": "yes"}, "enable_grad_norm_clip"),
+    ({"frozen_weights": "fc1.weight"}, "frozen_weights"),
+    ({"optimized_model_filepath": None}, "optimized_model_filepath"),
+    ({"use_mixed_precision": 1}, "use_mixed_precision"),
+    ({"_use_deterministic_compute": "on"}, "_use_deterministic_compute"),
     ({"model_desc": ModelDescription([], [])}, "model_desc"),
 ])
 def test_refused_arguments_name_themselves(onnx_net, kwargs, name):

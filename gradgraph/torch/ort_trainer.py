@@ -67,6 +67,24 @@ _PER_WEIGHT = {"SGDOptimizer": (),
 _GLOBAL = {"SGDOptimizer": {}, "AdamOptimizer": {"max_norm_clip": 1.0, "weight_decay_mode": 0},
            "LambOptimizer": {"max_norm_clip": 1.0}}
 _DEFAULT_LOSS_SCALE_NAME = "default_loss_scale_input_name"
+# legacy argument -> the newer trainer's option it becomes (an ORTTrainerOptions key path)
+_OPTION_OF = {
+    "gradient_accumulation_steps": "batch.gradient_accumulation_steps",
+    "device": "device.id",
+    "world_rank": "distributed.world_rank",
+    "world_size": "distributed.world_size",
+    "allreduce_post_accumulation": "distributed.allreduce_post_accumulation",
+    "deepspeed_zero_stage": "distributed.deepspeed_zero_optimization.stage",
+    "use_mixed_precision": "mixed_precision.enabled",
+    "enable_grad_norm_clip": "utils.grad_norm_clip",
+    "frozen_weights": "utils.frozen_weights",
+    "run_symbolic_shape_infer": "utils.run_symbolic_shape_infer",
+    "_use_deterministic_compute": "debug.deterministic_compute",
+    "optimized_model_filepath": "debug.graph_save_paths.model_with_training_graph_after_optimization_path",
+    "_opset_version": "_internal_use.onnx_opset_version",
+    "_enable_internal_postprocess": "_internal_use.enable_internal_postprocess",
+    "_extra_postprocess": "_internal_use.extra_postprocess",
+}
 _SHARED = "shared_optimizer_state"  # the newer trainer's state_dict entry of the shared state
 
 
@@ -196,6 +214,25 @@ def _legacy_desc(desc: Any) -> ModelDescription:
     return ModelDescription.parse({"inputs": copy[:len(desc.inputs)], "outputs": copy[len(desc.inputs):]})
 
 
+def _options(given: Mapping[str, Any], fixed: Mapping[str, Any]) -> ORTTrainerOptions:
+    """The newer trainer's options of the legacy arguments ``given`` (see ``_OPTION_OF``) and the
+    ``fixed`` option paths; a bad value is named by its legacy argument."""
+    nested: dict[str, Any] = {}
+    for path, value in [*((_OPTION_OF[k], v) for k, v in given.items()), *fixed.items()]:
+        *groups, key = path.split(".")
+        node = nested
+        for group in groups:
+            node = node.setdefault(group, {})
+        node[key] = value
+    try:
+        return ORTTrainerOptions(nested)
+    except ValueError as exc:
+        legacy = next((k for k, path in _OPTION_OF.items() if f"'{path}" in str(exc)), None)
+        if legacy is None:
+            raise
+        raise ValueError(f"ORTTrainer: {legacy}={given.get(legacy)!r} is refused ({exc})") from exc
+
+
 def _device(device: Any) -> str:
     text = str(device) if isinstance(device, (str, torch.device)) else ""
     if text != "cpu" and not (text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit())):
@@ -268,29 +305,25 @@ class ORTTrainer:
         self._scaler = self._check_scaler(loss_scaler, use_mixed_precision)
         self._warn_without_effect(world_size, allreduce_post_accumulation=allreduce_post_accumulation,
                                   deepspeed_zero_stage=deepspeed_zero_stage)
-        mixed: dict[str, Any] = {"enabled": bool(use_mixed_precision)}
-        if use_mixed_precision:  # a fixed scale in the graph, set before each step, unless the graph's own
-            mixed["loss_scaler"] = loss_scaler if isinstance(loss_scaler, optim.LossScaler) else \
-                optim.LossScaler(loss_scale=1.0, automatic_update=False)
-        options = ORTTrainerOptions({
-            "batch": {"gradient_accumulation_steps": _count("gradient_accumulation_steps",
-                                                            gradient_accumulation_steps, 1)},
-            "device": {"id": _device(device)},
-            "distributed": {"world_rank": world_rank, "world_size": world_size,
-                            "data_parallel_size": world_size,  # one process: warned above, by their names
-                            **({"allreduce_post_accumulation": allreduce_post_accumulation,
-                                "deepspeed_zero_optimization": {"stage": deepspeed_zero_stage}}
-                               if world_size > 1 else {})},
-            "mixed_precision": mixed,
+        given = {"gradient_accumulation_steps": _count("gradient_accumulation_steps", gradient_accumulation_steps, 1),
+                 "device": _device(device), "world_rank": world_rank, "world_size": world_size,
+                 "use_mixed_precision": use_mixed_precision, "enable_grad_norm_clip": enable_grad_norm_clip,
+                 "frozen_weights": frozen_weights, "run_symbolic_shape_infer": run_symbolic_shape_infer,
+                 "_use_deterministic_compute": _use_deterministic_compute,
+                 "optimized_model_filepath": optimized_model_filepath, "_opset_version": _opset_version,
+                 "_enable_internal_postprocess": _enable_internal_postprocess,
+                 "_extra_postprocess": _in_place(_extra_postprocess)}
+        if world_size > 1:  # one process: warned above, by their names
+            given.update(allreduce_post_accumulation=allreduce_post_accumulation,
+                         deepspeed_zero_stage=deepspeed_zero_stage)
+        fixed: dict[str, Any] = {
+            "distributed.data_parallel_size": world_size,
             # the legacy trainer had no cast propagation (the newer options' default level is 1)
-            "graph_transformer": {"propagate_cast_ops_config": {"level": -1}},
-            "utils": {"frozen_weights": list(frozen_weights), "grad_norm_clip": enable_grad_norm_clip,
-                      "run_symbolic_shape_infer": run_symbolic_shape_infer},
-            "debug": {"deterministic_compute": _use_deterministic_compute, "graph_save_paths": {
-                "model_with_training_graph_after_optimization_path": optimized_model_filepath}},
-            "_internal_use": {"onnx_opset_version": _opset_version,
-                              "enable_internal_postprocess": _enable_internal_postprocess,
-                              "extra_postprocess": _in_place(_extra_postprocess)}})
+            "graph_transformer.propagate_cast_ops_config.level": -1}
+        if use_mixed_precision:  # a fixed scale in the graph, set before each step, unless the graph's own
+            fixed["mixed_precision.loss_scaler"] = loss_scaler if isinstance(loss_scaler, optim.LossScaler) \
+                else optim.LossScaler(loss_scale=1.0, automatic_update=False)
+        options = _options(given, fixed)
         self.training_optimizer_name_ = training_optimizer_name
         self.map_optimizer_attributes_ = map_optimizer_attributes
         self.learning_rate_description_ = learning_rate_description
