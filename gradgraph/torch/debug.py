@@ -69,10 +69,10 @@ class DebugOptions:
 
     @property
     def ort_severity(self) -> int:
-        """onnxruntime's session log severity: its warnings (mostly unused initializers) only
-        from INFO down."""
+        """onnxruntime's session log severity: its warnings (mostly unused initializers) and its
+        error line (a failed run, which ORTModule reports as an exception) only from INFO down."""
         level = self.level
-        return int(level) if level <= LogLevel.INFO else max(int(level), int(LogLevel.ERROR))
+        return int(level) if level <= LogLevel.INFO else int(LogLevel.FATAL)
 
     def save(self, model: ir.Model | onnx.ModelProto, stage: str, training: bool) -> None:
         """Write ``model`` as ``<prefix>_<stage>_<training|inference>.onnx`` (atomically)."""

@@ -32,6 +32,7 @@ from passes.kernels import (
     WholeScoresLossPass,
     noise_inputs,
 )
+from passes.kernels.random_inputs import RandomInputsPass, random_inputs
 
 if TYPE_CHECKING:
     from gradgraph.torch.ortmodule import ORTModule
@@ -178,7 +179,8 @@ class _Engine:
         n_user = exported.n_outputs
         # after the module's own outputs: the new values of the buffers its forward updates in
         # place (export.py, trap 4), written back after each call
-        del model.graph.outputs[n_user + len(exported.mutations):]
+        n_changed = len(exported.mutations) + len(exported.input_mutations)
+        del model.graph.outputs[n_user + n_changed:]
         # Parameters and buffers become inputs first: then onnxscript's optimizer (constant
         # folding, rewrite rules; what the exporter's optimize=True runs) cannot fold them.
         ParamsToInputsPass(list(self.weights))(model)
@@ -189,6 +191,10 @@ class _Engine:
         # each random node its own seed, from torch's generator: the optimizer's common-
         # subexpression elimination merged two Dropouts of one tensor (SimCSE's two views)
         SeedRandomOpsPass(_torch_seed())(model)
+        # random ops read draws torch makes on every call (passes/kernels/random_inputs.py):
+        # torch.manual_seed repeats them, as it repeats torch's own; before the optimizer,
+        # which would fold a random op of a constant (bernoulli(full_like(x, p))) into one draw
+        draws_inputs = RandomInputsPass()(model).modified
         if owner._optimize:
             model = _optimized(model)
         # inline functions, fold shape constants, expose Dropout masks, infer types and shapes
@@ -202,11 +208,13 @@ class _Engine:
         self.user_outputs = [o.name or "" for o in model.graph.outputs[:n_user]]
         # PyTorch's outputs of the probe run, compared with the graph's first run (trap 5 of
         # export.py); not where the graph draws random numbers (Dropout masks differ)
-        random = _draws_random_numbers(model)
+        random = draws_inputs or _draws_random_numbers(model)
         # training Dropouts read their noise, drawn here faster than onnxruntime's CPU kernel
         # draws it (passes/kernels/dropout_noise.py), from a seed torch's generator gives
         DropoutNoisePass()(model)
         self.noise = DropoutNoise(noise_inputs(model.graph), owner._threads or torch.get_num_threads())
+        RandomInputsPass()(model)  # those whose shapes are known only now
+        self.draws = random_inputs(model.graph)
         self.reference: list[torch.Tensor] | None = None if random else exported.reference_outputs
         # and the buffers it updated: an exporter may drop an update (InstanceNorm's running
         # statistics: torch 2.13's InstanceNormalization has none)
@@ -215,6 +223,11 @@ class _Engine:
         exported.reference_outputs, exported.reference_mutations = [], []  # until the first run only
         self.mutation_outputs = {o.name or "": path for o, path in
                                  zip(model.graph.outputs[n_user:], exported.mutations)}
+        # the new values of the inputs the forward changes in place (export.py, trap 11): copied
+        # into the caller's tensors after each call, as torch leaves them
+        self.input_outputs = {o.name or "": k for o, k in zip(
+            model.graph.outputs[n_user + len(exported.mutations):], exported.input_mutations)}
+        self.changed_inputs = frozenset(exported.input_mutations)
         debug = owner._debug
         debug.save(exported.model, "torch_exported", training)
         debug.save(model, "optimized_pre_grad", training)
@@ -226,10 +239,11 @@ class _Engine:
         grad_inputs = [n for n, t in zip(self.input_names, tensor_inputs)
                        if t.requires_grad and t.is_floating_point()]
         self.first_run = True  # ORTModule._first_run checks it against PyTorch
-        # plain attributes the forward set while exporting (warned about after the first run)
-        self.changed_attrs: dict[tuple[int, str], tuple[str, Any, Any]] = {}
+        # the signature once the forward's side effects are applied (ORTModule._first_run)
+        self.resign: Any = None
         try:
-            self.runner = GraphRunner(model, self.input_names + list(self.weights) + list(self.noise.inputs),
+            self.runner = GraphRunner(model, self.input_names + list(self.weights) + list(self.draws)
+                                      + list(self.noise.inputs),
                                       grad_inputs + grad_weights,
                                       self.user_outputs, training=training,
                                       make_session=lambda m: make_session(m, owner._threads, debug.ort_severity,
@@ -269,14 +283,18 @@ class _Engine:
                                 f"does not translate this module correctly")
         return exc
 
-    def write_back(self, outputs: dict[str, ort.OrtValue], named: dict[str, torch.Tensor]) -> None:
+    def write_back(self, outputs: dict[str, ort.OrtValue], named: dict[str, torch.Tensor],
+                   inputs: list[torch.Tensor]) -> None:
         """Buffers the forward updated (training BatchNorm's running statistics, exposed as
         ``<buffer>.out`` by PrepareForGradientPass, and the buffers the module's forward updates
         in place) are copied into the module's buffers, and each training BatchNorm counts the
-        batch (``num_batches_tracked``) as torch does."""
-        if not self.stat_outputs and not self.mutation_outputs:
+        batch (``num_batches_tracked``) as torch does; the inputs the forward changes in place
+        get their new values."""
+        if not self.stat_outputs and not self.mutation_outputs and not self.input_outputs:
             return
         with torch.no_grad():
+            for out, k in self.input_outputs.items():
+                inputs[k].copy_(_to_torch(outputs[out], self.device))
             for out, path in self.mutation_outputs.items():
                 named[path].copy_(_to_torch(outputs[out]))
             for onnx_name, out in self.stat_outputs.items():
@@ -292,7 +310,17 @@ class _Engine:
         """The runner's feeds: the call's tensors, then the module's weights as they are now
         (a parameter replaced since the build, by ``load_state_dict(assign=True)`` or an
         assignment, is the one read)."""
-        return (*inputs, *(named[path] for path in self.weights.values()), *self.dropout_noise())
+        # an input the forward changes in place is fed as a copy: the caller's tensor gets its
+        # new value, the backward reads the one the forward read
+        fed = [t.detach().clone() if k in self.changed_inputs else t for k, t in enumerate(inputs)]
+        return (*fed, *(named[path] for path in self.weights.values()), *self.random_draws(),
+                *self.dropout_noise())
+
+    def random_draws(self) -> list[torch.Tensor]:
+        """New draws for the graph's random ops, from torch's default generator (on the device)."""
+        return [(torch.randn if d.kind == "normal" else torch.rand)(d.shape, dtype=_TORCH_FLOATS[d.dtype],
+                                                                   device=self.device)
+                for d in self.draws.values()]
 
     def dropout_noise(self) -> list[torch.Tensor]:
         """New noise for the graph's Dropouts (:mod:`gradgraph.dropout_noise`), from a seed

@@ -23,7 +23,7 @@ Exporter traps (torch 2.13), handled here:
 5. the ONNX graph has no stop-gradient: a value the forward computes under ``torch.no_grad()``
    or takes ``.detach()`` / ``.data`` of, from tensors that require grad, and then uses in a
    differentiable computation, would be differentiated through. With ``stop_gradients=True``
-   the probe run (with grad enabled) watches for that (:class:`_StopGradientWatch`) and the
+   the probe run (with grad enabled) watches for that (:class:`gradgraph.torch.capture.CaptureWatch`) and the
    export is refused (:class:`StopsGradient`) naming the call; a no_grad update of a buffer
    that the forward does not read afterwards is fine. The probe's outputs are kept
    (``ExportedCall.reference_outputs``) so that the caller can compare the graph's first run
@@ -41,6 +41,13 @@ Exporter traps (torch 2.13), handled here:
    run sees such a call and the export is refused, naming it.
 10. torchlib writes ``scaled_dot_product_attention``'s dropout as an inference Dropout (no
    ``training_mode``: the identity): :func:`_attention_dropout_in_training`.
+11. a forward that changes an input in place (``x.mul_(2)``) is exported without the change
+   (a USER_INPUT_MUTATION of the program): the probe and the exporters run on copies of the
+   inputs, the probe finds the changed ones (their version counters), and the wrapper returns
+   their new values last (``ExportedCall.input_mutations``), for the caller to copy back.
+12. exporting runs the forward's Python code more than once: what the probe and the exporters
+   did to the module's attributes is undone (:mod:`gradgraph.torch.undo`); what the probe did
+   is kept in ``ExportedCall.attr_changes``.
 """
 
 from __future__ import annotations
@@ -48,12 +55,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import logging
 import os
 import re
 import sys
 import tempfile
 import warnings
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,9 +69,10 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from gradgraph.torch.capture import CaptureWatch, NotCapturable, functions_in_graph
+from gradgraph.torch.undo import AttrSnapshot
 from passes.exports.conventions import is_attention_dropout, train_dropouts
 
 PREFIX = "module."
@@ -95,6 +103,12 @@ class ExportedCall:
     # per module output, whether it required grad in the probe run (with stop_gradients): one
     # that did not (a reentrant checkpoint of inputs that need no grad) gets none in the graph
     output_requires_grad: list[bool] = dataclasses.field(default_factory=list)
+    # flat tensor inputs the forward changes in place (trap 11): their new values are the graph
+    # outputs after the buffers', in this order
+    input_mutations: list[int] = dataclasses.field(default_factory=list)
+    # what the probe run did to the module's attributes (trap 12), undone after exporting: one
+    # call's side effects, for the caller to apply where it runs the graph
+    attr_changes: list[tuple[torch.nn.Module, str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def n_outputs(self) -> int:
@@ -114,64 +128,6 @@ class StopsGradient(ExportFailed):
     """The forward stops gradients where the ONNX graph cannot (trap 5)."""
 
 
-class _StopGradientWatch(TorchFunctionMode):
-    """Records, during one forward with grad enabled, float tensors whose gradient torch stops
-    (``detach``, ``.data``, results under ``no_grad`` of tensors that require grad, and what is
-    computed from them under ``no_grad``), and the first differentiable call that reads one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._stopped: dict[int, weakref.ref] = {}
-        self.reads: list[str] = []
-        self.gradient_only: list[str] = []  # calls with an option only torch's gradient has (trap 9)
-
-    def _is_stopped(self, t: torch.Tensor) -> bool:
-        ref = self._stopped.get(id(t))
-        return ref is not None and ref() is t
-
-    def _stop(self, out: Any) -> None:
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self._stopped[id(t)] = weakref.ref(t)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        grad_on = torch.is_grad_enabled()
-        out = func(*args, **kwargs)
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        name = getattr(func, "__name__", None) or str(func)
-        if grad_on and _scales_grad_by_freq(func, args, kwargs):
-            self.gradient_only.append(f"{name}(scale_grad_by_freq=True)")
-        if (name in ("detach", "detach_") or func == _DATA_GET) and tensors and tensors[0].requires_grad:
-            self._stop(out)
-            return out
-        if not grad_on:
-            if any(t.requires_grad or self._is_stopped(t) for t in tensors):
-                self._stop(out)
-        elif not self.reads and any(isinstance(o, torch.Tensor) and o.is_floating_point()
-                                    for o in pytree.tree_leaves(out)):
-            if any(t.is_floating_point() and self._is_stopped(t) for t in tensors):
-                self.reads.append(name)
-        return out
-
-
-_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
-# positions of the weight and of ``scale_grad_by_freq`` among each embedding call's arguments
-_FREQ_ARGS = {torch.nn.functional.embedding: (1, 5), torch.embedding: (0, 3),
-              torch.nn.functional.embedding_bag: (1, 5), torch.embedding_bag: (0, 3)}
-
-
-def _scales_grad_by_freq(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Is this an embedding call whose weight gets a frequency-scaled gradient (trap 9)?"""
-    positions = _FREQ_ARGS.get(func)
-    if positions is None:
-        return False
-    weight_at, scaled_at = positions
-    weight = kwargs.get("weight", args[weight_at] if len(args) > weight_at else None)
-    scaled = kwargs.get("scale_grad_by_freq", args[scaled_at] if len(args) > scaled_at else False)
-    return bool(scaled) and isinstance(weight, torch.Tensor) and weight.requires_grad
-
-
 class _Flat(torch.nn.Module):
     """``forward(*flat tensors)`` -> flat tensor leaves of ``module(*args, **kwargs)``."""
 
@@ -186,6 +142,7 @@ class _Flat(torch.nn.Module):
         self.out_spec: Any = None
         self.out_nones: list[int] = []
         self.mutations: list[str] = []  # buffers whose new values follow the outputs (trap 4)
+        self.input_mutations: list[int] = []  # inputs changed in place, after those (trap 11)
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves, it = [], iter(tensors)
@@ -194,6 +151,8 @@ class _Flat(torch.nn.Module):
         args, kwargs = pytree.tree_unflatten(leaves, self._in_spec)
         out = self.module(*args, **kwargs)
         flat, self.out_spec = pytree.tree_flatten(_plain(out))
+        if _register_caches([x for x in flat if x is not None and not isinstance(x, torch.Tensor)]):
+            flat, self.out_spec = pytree.tree_flatten(_plain(out))  # their tensors are outputs now
         self.out_nones = [i for i, x in enumerate(flat) if x is None]  # given back as None
         flat = [x for x in flat if x is not None]
         bad = [type(x).__name__ for x in flat if not isinstance(x, torch.Tensor)]
@@ -202,7 +161,29 @@ class _Flat(torch.nn.Module):
                     "config.use_cache = False)" if any("Cache" in b for b in bad) else "")
             raise TypeError(f"ORTModule: the module returned non-tensor values ({', '.join(bad)}){hint}; "
                             "return tensors, or tuples/lists/dicts of tensors")
-        return (*flat, *(self.module.get_buffer(path).clone() for path in self.mutations))
+        return (*flat, *(self.module.get_buffer(path).clone() for path in self.mutations),
+                *(tensors[k].clone() for k in self.input_mutations))
+
+
+def _register_caches(values: list) -> bool:
+    """transformers' key/value caches among ``values`` (a decoder's default ``use_cache=True``
+    returns a ``DynamicCache``) registered with torch's pytree as transformers registers them
+    for torch.export (``register_cache_pytrees_for_model``): their tensors become graph outputs
+    and the cache is rebuilt around them on return. True where one was registered."""
+    caches = [type(v) for v in values if type(v).__name__.endswith("Cache") and type(v) not in pytree.SUPPORTED_NODES
+              and "<locals>" not in type(v).__qualname__]  # rebuilt by their import path
+    if not caches:
+        return False
+    try:
+        from transformers.exporters.exporter_dynamo import register_pytree_node
+    except ImportError:  # an older transformers: the non-tensor output is refused below
+        return False
+    try:
+        for cls in caches:
+            register_pytree_node(cls)
+    except Exception:  # noqa: BLE001 - a class transformers cannot name (a local one): refused below
+        return False
+    return True
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -441,26 +422,35 @@ def export_call(module: torch.nn.Module, args: tuple, kwargs: dict, *, training:
     """
     leaves, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
-    tensors = tuple(x.detach() for x in leaves if isinstance(x, torch.Tensor))
+    # copies: a forward that changes an input in place (trap 11) changes them, not the caller's
+    tensors = tuple(x.detach().clone() for x in leaves if isinstance(x, torch.Tensor))
     flat = _Flat(module, in_spec, constants)
     input_names = [f"input_{i}" for i in range(len(tensors))]
     order = ["dynamo", "legacy"] if exporter == "auto" else [exporter]
     # Exporting runs the module (tracing, and once here for the output structure): a train-mode
-    # BatchNorm would update its running statistics. The buffers are put back afterwards.
+    # BatchNorm would update its running statistics, a counter would count. The buffers and
+    # the attributes are put back afterwards (trap 12).
     saved = snapshot_buffers(module)
+    attrs = AttrSnapshot(module)
     modes = [(m, m.training) for m in module.modules()]  # as they are, whatever an exporter does
     try:
         # the probe sees which inputs require grad (trap 5)
-        probe_inputs = tuple(t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
+        probe_inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad and t.is_floating_point())
                              for t in leaves if isinstance(t, torch.Tensor))
+        versions = [t._version for t in probe_inputs]
         flat.mutations, reference, updated, requires = _probe(module, flat, probe_inputs, stop_gradients)
+        changes = attrs.changes()
+        flat.input_mutations = [k for k, (t, v) in enumerate(zip(probe_inputs, versions)) if t._version != v]
         restore_buffers(module, saved)  # the export stores the buffers' values as they are now
+        attrs.restore()
         exported = _export_first(module, flat, tensors, input_names, order, training, opset, dynamic)
         exported.reference_outputs, exported.reference_mutations = reference, updated
         exported.output_requires_grad = requires
+        exported.attr_changes = changes
         return exported
     finally:
         restore_buffers(module, saved)
+        attrs.restore()
         for m, mode in modes:
             m.training = mode
 
@@ -493,7 +483,7 @@ def _probe(module: torch.nn.Module, flat: _Flat, tensors: tuple,
     buffers = [(n, b) for n, b in module.named_buffers() if n not in norm_stats]
     before = [(b._version, b.detach().clone()) for _, b in buffers]
     params = [(n, p, p._version) for n, p in module.named_parameters()]
-    watch = _StopGradientWatch()
+    watch = CaptureWatch()
     with torch.enable_grad() if stop_gradients else torch.no_grad():
         with watch if stop_gradients else contextlib.nullcontext():
             outputs = flat(*tensors)
@@ -503,6 +493,9 @@ def _probe(module: torch.nn.Module, flat: _Flat, tensors: tuple,
             f"the forward updates the parameter {updated[0]!r} in place (e.g. Embedding(max_norm=...) "
             "renormalizes its weight): the ONNX graph cannot write a parameter; this call ran once "
             "in PyTorch to find it")
+    found = watch.found + (functions_in_graph(list(outputs)) if stop_gradients else [])
+    if found:
+        raise NotCapturable(f"its forward uses {found[0]}" + (f"; also {'; '.join(found[1:3])}" if found[1:] else ""))
     if watch.gradient_only:
         raise ExportFailed(
             f"the forward calls {watch.gradient_only[0]}: torch divides each row's weight gradient "
@@ -552,7 +545,8 @@ def _export_first(module: torch.nn.Module, flat: _Flat, tensors: tuple, input_na
                 buffers[init.name] = path
         return ExportedCall(model, [i.name for i in model.graph.input if i.name in set(input_names)],
                             [o.name for o in model.graph.output], flat.out_spec, params, buffers, which,
-                            list(flat.mutations), output_nones=list(flat.out_nones))
+                            list(flat.mutations), output_nones=list(flat.out_nones),
+                            input_mutations=list(flat.input_mutations))
     raise ExportFailed("torch.onnx.export failed: " + "; ".join(errors)) from first
 
 
@@ -580,11 +574,35 @@ def _quiet_fds() -> Iterator[None]:
                 os.close(copy)
 
 
+# the exporters' loggers: their warnings ("torchvision is not installed", "Unable to find user
+# code corresponding to ...") are facts about torch's tracing, printed on every export
+EXPORTER_LOGGERS = ("torch.onnx", "torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export",
+                    "torch._export", "onnxscript")
+
+
+@contextlib.contextmanager
+def _quiet_exporter_logs() -> Iterator[None]:
+    """The exporters' loggers at ERROR while exporting, unless ``gradgraph.torch`` logs at INFO
+    or below (``DebugOptions(log_level="INFO")``): then they print as they would."""
+    if logging.getLogger("gradgraph.torch").isEnabledFor(logging.INFO):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in EXPORTER_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training: bool,
             opset: int, dynamic: list[dict[int, str]] | None) -> onnx.ModelProto:
     sink = io.StringIO()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as caught, \
-            contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), _quiet_exporter_logs():
         warnings.simplefilter("always")
         path = os.path.join(tmp, "model.onnx")
         if which == "dynamo":

@@ -48,6 +48,8 @@ the ``nn.Module`` that picks and runs them.
 
 from __future__ import annotations
 
+import inspect
+import os
 import time
 import warnings
 import weakref
@@ -57,6 +59,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from gradgraph.torch.capture import NotCapturable
 from gradgraph.torch.debug import DebugOptions, LogLevel, logger, set_log_level
 from gradgraph.torch.engine import (
     OutputMismatch,
@@ -87,7 +90,9 @@ from gradgraph.torch.signature import (
     _named_tensors,
     _shown,
     _signature,
+    holds_tensors,
 )
+from gradgraph.torch.undo import apply_changes
 
 # the public names this module had before the runner, engine and signature moved out
 __all__ = ["DebugOptions", "GraphRunner", "LogLevel", "ORTModule", "ORTModuleTorchModelException",
@@ -115,16 +120,69 @@ def _keys_of_wrapped_module(state_dict: dict[str, Any], prefix: str, *_: Any) ->
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
+def _check_threads(threads: Any, force: bool) -> None:
+    """``threads``: None (onnxruntime's default) or an int from 1 to the machine's core count
+    (more only with ``force_threads=True``: each session would start that many threads)."""
+    if not isinstance(force, bool):
+        raise TypeError(f"ORTModule: force_threads must be True or False, not {force!r}")
+    if threads is None:
+        return
+    if not isinstance(threads, int) or isinstance(threads, bool):
+        raise TypeError(f"ORTModule: threads must be an int (onnxruntime's intra-op threads) or None, "
+                        f"not {type(threads).__name__} {threads!r}")
+    cores = os.cpu_count() or 1
+    if threads < 1:
+        raise ValueError(f"ORTModule: threads must be at least 1 (or None for onnxruntime's default), "
+                         f"not {threads}")
+    if threads > cores and not force:
+        raise ValueError(f"ORTModule: threads={threads} is more than this machine's {cores} cores "
+                         "(each onnxruntime session would start that many threads); pass "
+                         "force_threads=True to use it anyway")
+
+
+def _refuse_nested(module: torch.nn.Module) -> None:
+    """An ORTModule inside the wrapped module (or wrapped itself) runs its own graphs, which an
+    export cannot trace: the outer one falls back to PyTorch, and the inner one still runs in
+    onnxruntime."""
+    todo: list[tuple[str, torch.nn.Module]] = [("", module)]
+    while todo:  # through _modules: ORTModule.named_modules() skips the ORTModule itself
+        path, sub = todo.pop()
+        todo.extend((f"{path}.{name}" if path else name, child) for name, child in sub._modules.items()
+                    if child is not None)
+        if isinstance(sub, ORTModule):
+            where = f"at {path!r} inside {type(module).__name__}" if path else "wrapped in another ORTModule"
+            raise NotCapturable(f"its forward calls an ORTModule ({where}; defined at {user_line_of(sub)}), "
+                                "whose own onnxruntime graphs an export cannot trace: the outer module "
+                                "runs in PyTorch and the inner ORTModule in onnxruntime; wrap only the "
+                                "outer or only the inner module")
+
+
+def user_line_of(sub: ORTModule) -> str:
+    """Where the wrapped module's class of ``sub`` is defined."""
+    cls = type(sub.module)
+    try:
+        return f"{os.path.basename(inspect.getsourcefile(cls) or '?')}:{inspect.getsourcelines(cls)[1]}"
+    except (OSError, TypeError):
+        return cls.__qualname__
+
+
 class ORTModule(torch.nn.Module):
     """Wraps ``module``; forward and backward run in onnxruntime (module docstring)."""
 
     def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None, *,
-                 fallback: str = "warn", optimize: bool = True, threads: int | None = None) -> None:
+                 fallback: str = "warn", optimize: bool = True, threads: int | None = None,
+                 force_threads: bool = False) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, not {type(module).__name__}")
-        if fallback not in ("warn", "raise"):
+        if debug_options is not None and not isinstance(debug_options, DebugOptions):
+            raise TypeError(f"ORTModule: debug_options must be a DebugOptions, not "
+                            f"{type(debug_options).__name__}")
+        if not isinstance(fallback, str) or fallback not in ("warn", "raise"):
             raise ValueError(f"ORTModule: fallback must be 'warn' (run the module in PyTorch, with "
                              f"one warning) or 'raise', not {fallback!r}")
+        if not isinstance(optimize, bool):
+            raise TypeError(f"ORTModule: optimize must be True or False, not {optimize!r}")
+        _check_threads(threads, force_threads)
         super().__init__()
         self._modules["_original_module"] = module
         self._debug = debug_options or DebugOptions()
@@ -199,29 +257,27 @@ class ORTModule(torch.nn.Module):
         self._release_changed_by_user()
         key = _signature(training, in_spec, leaves, self.module, named, self._skip)
         if key not in self._engines:
-            state = _attr_state(self.module)
-            engine = self._build(key, args, kwargs, tensors, training)
-            self._engines[key] = engine
+            built = self._build(key, args, kwargs, tensors, training)  # the module as it was
             self._builds += 1
-            # attributes the forward set while exporting (a lazily built cache's length, a
-            # counter) leave the signature while they keep the value a forward of ours left
-            # (a user's change brings them back); the graph was exported in that state
-            changed = _changed_attrs(self.module, state)
-            self._own(changed)
-            self._engines.setdefault(_signature(training, in_spec, leaves, self.module,
-                                                _named_tensors(self.module), self._skip), engine)
-            if engine is not None:
-                engine.changed_attrs = {k: (path, state[k][1] if k in state else None, new)
-                                        for k, (path, new, _) in changed.items()}
-                if training:
-                    self._warn_sparse()
-            self._evict()
             if self._builds == MANY_SIGNATURES:
                 warnings.warn(
                     f"ORTModule: {type(self.module).__name__} has been exported for {self._builds} "
                     "call signatures; each new input shape or dtype, train/eval switch or change of a "
                     "submodule's plain attribute exports and builds again (slow): pad inputs to a "
                     "few shapes", RuntimeWarning, stacklevel=4)
+            # the signature the module has once a forward's side effects are applied (after
+            # the first run, or a run in PyTorch)
+            def resign() -> Any:
+                return _signature(training, in_spec, leaves, self.module, _named_tensors(self.module),
+                                  self._skip)
+
+            if isinstance(built, Exception):
+                return self._instead(built, [key], resign, args, kwargs, depth=0)
+            self._engines[key] = built
+            built.resign = resign
+            if training:
+                self._warn_sparse()
+            self._evict()
         engine = self._engines[key]
         if engine is None:  # this signature falls back to PyTorch
             return self._run_in_torch(args, kwargs)
@@ -234,7 +290,30 @@ class ORTModule(torch.nn.Module):
         self.__dict__["_last_engine"] = weakref.ref(engine)
         if engine.first_run:
             return self._first_run(engine, args, kwargs, tensors, named, training)
-        return self._run(engine, tensors, named, training)
+        try:
+            return self._run(engine, tensors, named, training)
+        except Exception as exc:
+            if not type(exc).__module__.startswith("onnxruntime"):
+                raise
+            # onnxruntime's own error (an index out of range, a shape): torch's exception for
+            # the same call, or the call's result from PyTorch where torch has none
+            return self._instead(exc, [k for k, e in self._engines.items() if e is engine], None, args,
+                                 kwargs, depth=0)
+
+    def _instead(self, exc: Exception, keys: list[Any], resign: Any, args: tuple, kwargs: dict,
+                 depth: int) -> Any:
+        """The call in PyTorch after building or running its graphs failed with ``exc``: torch's
+        own exception for these inputs is raised as torch raises it (an index out of range, a
+        wrong shape: the signature is kept); else the signature ``keys`` falls back (one warning,
+        or ``exc`` raised with ``fallback='raise'``) and this call's result is PyTorch's (its
+        forward run once)."""
+        result = self._run_in_torch(args, kwargs)
+        for k in keys:
+            self._engines[k] = None
+        if resign is not None:  # and under the signature the forward's side effects leave
+            self._engines.setdefault(resign(), None)
+        self._fail(exc, stacklevel=6 + depth)
+        return result
 
     def _own(self, changed: _AttrState) -> None:
         """Attributes a forward of ours (an export, a call run in PyTorch) changed: left out of
@@ -282,21 +361,26 @@ class ORTModule(torch.nn.Module):
              training: bool) -> Any:
         feeds = engine.tensors(tensors, named)
         if training and engine.runner.backward is not None:
-            outs = apply_runner(engine.runner, feeds, lambda kept: engine.write_back(kept, named))
+            outs = apply_runner(engine.runner, feeds, lambda kept: engine.write_back(kept, named, tensors))
         else:
             runner = engine.runner
             values = {n: runner.feeds.get(n, t) for n, t in zip(runner.feed_names, feeds)}
             _sync(engine.device)
             kept = runner.run_forward(values)
-            engine.write_back(kept, named)  # a train-mode BatchNorm under no_grad updates its statistics
+            engine.write_back(kept, named, tensors)  # a train-mode BatchNorm under no_grad updates its statistics
             outs = tuple(_to_torch(kept[n], engine.device) for n in runner.user_outputs)
         return engine.exported.rebuild(list(outs))
 
     def _first_run(self, engine: _Engine, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
                    named: dict[str, torch.Tensor], training: bool) -> Any:
         """A signature's first run: a failure, or outputs unlike PyTorch's (the export lost part
-        of the forward), make the signature fall back (or raise) like a failed build."""
+        of the forward), make the signature fall back (or raise) like a failed build, and the
+        forward then runs once in PyTorch. Else the attributes the forward set in the probe run
+        (export.py, trap 12) are set once, as one call of the forward sets them; those keep out
+        of the signature while they keep that value (a counter does not rebuild on every call;
+        a user's change brings them back), and they are warned about once."""
         saved = snapshot_buffers(self.module)
+        inputs = {k: tensors[k].detach().clone() for k in engine.changed_inputs}
         try:
             result = self._run(engine, tensors, named, training)
             reference, engine.reference = engine.reference, None
@@ -313,17 +397,27 @@ class ORTModule(torch.nn.Module):
                         "the forward")
         except Exception as exc:  # noqa: BLE001 - as a failed build
             restore_buffers(self.module, saved)  # as they were before this call
+            with torch.no_grad():
+                for k, value in inputs.items():
+                    tensors[k].copy_(value)
             if not isinstance(exc, OutputMismatch):
                 explained = engine.explain(exc, tensors)
                 if explained is not exc:
                     explained.__cause__ = exc
                 exc = explained
-            self._fail(exc)
-            for k in [k for k, e in self._engines.items() if e is engine]:
-                self._engines[k] = None  # under its signatures before and after the build
-            return self._run_in_torch(args, kwargs)
+            resign, engine.resign = engine.resign, None
+            return self._instead(exc, [k for k, e in self._engines.items() if e is engine], resign, args,
+                                 kwargs, depth=1)
         engine.first_run = False
-        self._warn_changed_attrs(engine.changed_attrs)
+        state = _attr_state(self.module)
+        apply_changes(engine.exported.attr_changes)
+        engine.exported.attr_changes = []
+        changed = _changed_attrs(self.module, state)
+        self._own(changed)
+        self._engines.setdefault(engine.resign(), engine)
+        engine.resign = None
+        self._warn_changed_attrs({k: (path, state[k][1] if k in state else None, new)
+                                  for k, (path, new, _) in changed.items()})
         return result
 
     def _warn_changed_attrs(self, changed: dict[tuple[int, str], tuple[str, Any, Any]]) -> None:
@@ -349,7 +443,7 @@ class ORTModule(torch.nn.Module):
         return state
 
     def _build(self, key: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
-               training: bool) -> _Engine | None:
+               training: bool) -> _Engine | Exception:
         start = time.perf_counter()
         logger.info("ORTModule: exporting %s for a new call signature (%s)", type(self.module).__name__,
                     ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors))
@@ -359,6 +453,14 @@ class ORTModule(torch.nn.Module):
                 cuda_providers(device)  # no CUDA provider: say so before exporting
             norms = _training_batch_norms(self.module)  # refuses what is unsupported before exporting
             _check_hooks(self.module, training, self._hook_warned)
+            _refuse_nested(self.module)
+            held = holds_tensors(pytree.tree_leaves((tuple(args), dict(kwargs))))
+            if held is not None:
+                raise NotCapturable(
+                    f"an argument of type {held} holds tensors that torch's pytree does not flatten "
+                    "(the export would bake them in as constants, without gradients): pass the "
+                    "tensors as arguments, or register the type with "
+                    "torch.utils._pytree.register_dataclass")
             # the export's run of the module (its dropouts) and the build draw from torch's
             # generators on a copy of their state: torch.manual_seed repeats a signature's first
             # call as it repeats the later ones
@@ -370,15 +472,14 @@ class ORTModule(torch.nn.Module):
                 exported_at = time.perf_counter()
                 engine = _Engine(self, exported, tensors, training, norms, device)
         except Exception as exc:  # noqa: BLE001 - any failure falls back (or is raised) with its reason
-            self._fail(exc)
-            return None
+            return exc
         logger.info("ORTModule: built the %s graphs in %.1f s (export %.1f s, %s exporter; graphs and "
                     "sessions %.1f s)", "training" if training else "inference",
                     time.perf_counter() - start, exported_at - start, exported.exporter,
                     time.perf_counter() - exported_at)
         return engine
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: Exception, stacklevel: int = 6) -> None:
         """A signature that cannot run in onnxruntime: raise, or warn once and use PyTorch."""
         if self._fallback == "raise":
             raise exc
@@ -387,9 +488,13 @@ class ORTModule(torch.nn.Module):
             reason += (" - onnxruntime's CPU kernels lack this op for this element type"
                        + (" (torch.autocast is on: its float16 / bfloat16 casts are in the graph)"
                           if torch.is_autocast_enabled("cpu") else ""))
+        if isinstance(exc, NotCapturable):  # the construct and its line, said as they are
+            because = f"because {str(exc).strip()}"
+        else:
+            because = f"because building or running its onnxruntime graphs failed ({reason})"
         warnings.warn(f"ORTModule: {type(self.module).__name__} runs in PyTorch for this input "
-                      f"signature, because building or running its onnxruntime graphs failed ({reason}); "
-                      "pass fallback='raise' to see the error", RuntimeWarning, stacklevel=6)
+                      f"signature, {because}; pass fallback='raise' to see the error", RuntimeWarning,
+                      stacklevel=stacklevel)
 
     # ---- nn.Module behaviour reflects the wrapped module ----------------------------------
     def add_module(self, name: str, module: torch.nn.Module | None) -> None:
