@@ -237,15 +237,23 @@ def test_gradient_accumulation_averages_micro_batches(onnx_net):
     assert max(norms) > 0.3  # enable_grad_norm_clip=False: max_norm_clip 0.3 would have clipped
 
 
-def test_frozen_weights_stay_and_the_rest_train_like_torch(onnx_net):
+def test_frozen_weights_stay_and_the_rest_train_like_torch_whatever_the_call_form(onnx_net):
     trainer = _trainer(onnx_net, frozen_weights=["fc1.weight"])
     ref = Net()
     ref.fc1.weight.requires_grad_(False)
     opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
-    for x, y in _batches(STEPS):
-        trainer.train_step(x, y, torch.tensor([0.1]))
+    lr = torch.tensor([0.1])
+    calls = [lambda x, y: trainer.train_step(x, y, lr),  # the documented call forms, one per step
+             lambda x, y: trainer.train_step([x, y, lr]),
+             lambda x, y: trainer.train_step(x, lr, y=y),
+             lambda x, y: trainer.train_step(x=x, y=y, Learning_Rate=lr),
+             lambda x, y: [trainer.train_step(x, y, lr, fetches=["logits"])]]
+    for i, (x, y) in enumerate(_batches(STEPS)):
+        out = calls[i % len(calls)](x, y)
         opt.zero_grad()
-        ref(x, y)[0].backward()
+        loss, logits = ref(x, y)
+        np.testing.assert_allclose(out[-1].numpy(), logits.detach().numpy(), rtol=RTOL, atol=1e-6)
+        loss.backward()
         opt.step()
     _assert_weights(trainer, ref)
     np.testing.assert_array_equal(trainer.state_dict()["fc1.weight"].numpy(), Net().fc1.weight.detach().numpy())
