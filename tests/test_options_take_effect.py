@@ -866,3 +866,229 @@ def test_every_ortmodule_argument_has_a_case() -> None:
     arguments = set(inspect.signature(ORTModule.__init__).parameters) - {"self", "module"}
     assert arguments == {"debug_options", "fallback", "optimize", "threads", "force_threads"}
     assert {f.name for f in dataclasses.fields(DebugOptions)} == {"save_onnx", "onnx_prefix", "log_level"}
+
+
+# ---- ORTTrainerOptions: every option of the schema -------------------------------------------------
+
+TRAINER_DESC = {"inputs": [("x", ["batch", 6]), ("y", ["batch"])],
+                "outputs": [("loss", [], True), ("logits", ["batch", 4])]}
+
+
+def _trainer_outcome(options: dict[str, Any], tmp_path: Path, name: str, steps: int = 2) -> dict[str, Any]:
+    """Two ORTTrainer steps on a small MLP (CPU): the weights, the trainer's state and the
+    training graph it saved."""
+    torch = pytest.importorskip("torch")
+    from gradgraph.torch import ORTTrainer, ORTTrainerOptions, optim
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    saved = tmp_path / f"{name}_training.onnx"
+    given = {**options, "device": {"id": "cpu", **options.get("device", {})}}
+    debug = given.setdefault("debug", {})
+    debug.setdefault("graph_save_paths", {}).setdefault("model_with_training_graph_path", str(saved))
+    trainer = ORTTrainer(model, TRAINER_DESC, optim.AdamConfig(lr=0.05), torch.nn.CrossEntropyLoss(),
+                         ORTTrainerOptions(given))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        trainer.train_step(torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g))
+    weights = {k: v.numpy().copy() for k, v in trainer.state_dict(pytorch_format=True).items()}
+    return {"weights": weights, "graph": saved.read_bytes() if saved.exists() else b"",
+            "state": repr(trainer.state_dict()["optimizer"].get("shared_optimizer_state", {}))}
+
+
+def _scheduler() -> Any:
+    from gradgraph.torch import optim
+
+    return optim.LinearWarmupLRScheduler(total_steps=4, warmup=0.5)
+
+
+def _scaler() -> Any:
+    from gradgraph.torch import optim
+
+    return optim.DynamicLossScaler(loss_scale=float(1 << 10))
+
+
+# (option path, options, expected: "weights" / "graph" / "state" differ from the baseline's
+# (``base`` options), "file:<name>", "refused:<regex>", "warns:<regex>")
+TRAINER_CASES: list[tuple[str, Any, str, Any]] = [
+    ("batch.gradient_accumulation_steps", {"batch": {"gradient_accumulation_steps": 2}}, "weights", {}),
+    ("device.id", {"device": {"id": "cuda"}}, "refused:CUDAExecutionProvider", {}),
+    ("device.mem_limit", {"device": {"mem_limit": 1 << 20}}, "warns:'device.mem_limit'", {}),
+    ("distributed.local_rank", {"distributed": {"local_rank": 1}}, "warns:'distributed.local_rank'", {}),
+    ("distributed.world_size", {"distributed": {"world_size": 2}}, "refused:MASTER_ADDR", {}),
+    ("distributed.world_rank", {"distributed": {"world_rank": 1}}, "refused:world_rank'=1 must be <", {}),
+    ("distributed.data_parallel_size", {"distributed": {"world_size": 2, "data_parallel_size": 1}},
+     "refused:only data parallelism", {}),
+    ("distributed.horizontal_parallel_size", {"distributed": {"horizontal_parallel_size": 2}},
+     "refused:horizontal_parallel_size", {}),
+    *[(f"distributed.pipeline_parallel.{key}", {"distributed": {"pipeline_parallel": {key: value}}},
+       f"refused:{key}", {})
+      for key, value in (("pipeline_parallel_size", 2), ("num_pipeline_micro_batches", 2),
+                         ("pipeline_cut_info_string", "a"), ("sliced_schema", {"x": [2]}),
+                         ("sliced_axes", {"x": 0}), ("sliced_tensor_names", ["x"]))],
+    ("distributed.allreduce_post_accumulation", {"distributed": {"allreduce_post_accumulation": True}},
+     "warns:change nothing in a single process", {}),
+    ("distributed.deepspeed_zero_optimization.stage",
+     {"distributed": {"deepspeed_zero_optimization": {"stage": 1}}}, "warns:change nothing in a single process", {}),
+    ("distributed.enable_adasum", {"distributed": {"enable_adasum": True}}, "refused:enable_adasum", {}),
+    ("lr_scheduler", {"lr_scheduler": "{scheduler}"}, "weights", {}),
+    ("mixed_precision.enabled", {"mixed_precision": {"enabled": True}}, "graph", {}),
+    ("mixed_precision.loss_scaler", {"mixed_precision": {"enabled": True, "loss_scaler": "{scaler}"}},
+     "state", {"mixed_precision": {"enabled": True}}),
+    ("graph_transformer.attn_dropout_recompute", {"graph_transformer": {"attn_dropout_recompute": True}},
+     "warns:attn_dropout=True .*recomputed nothing", {}),
+    ("graph_transformer.gelu_recompute", {"graph_transformer": {"gelu_recompute": True}},
+     "warns:gelu=True .*recomputed nothing", {}),
+    ("graph_transformer.transformer_layer_recompute",
+     {"graph_transformer": {"transformer_layer_recompute": True}}, "warns:transformer_layers=True", {}),
+    ("graph_transformer.number_recompute_layers", {"graph_transformer": {"number_recompute_layers": 1}},
+     "refused:needs 'graph_transformer.transformer_layer_recompute'", {}),
+    ("graph_transformer.allow_layer_norm_mod_precision",
+     {"graph_transformer": {"allow_layer_norm_mod_precision": True}}, "warns:allow_layer_norm_mod_precision", {}),
+    ("graph_transformer.propagate_cast_ops_config.strategy",
+     {"graph_transformer": {"propagate_cast_ops_config": {"strategy": "INSERT_AND_REDUCE", "level": 1}}},
+     "graph", {"graph_transformer": {"propagate_cast_ops_config": {"strategy": "FLOOD_FILL", "level": 1}}}),
+    ("graph_transformer.propagate_cast_ops_config.level",
+     {"graph_transformer": {"propagate_cast_ops_config": {"strategy": "INSERT_AND_REDUCE", "level": 1}}},
+     "graph", {"graph_transformer": {"propagate_cast_ops_config": {"strategy": "INSERT_AND_REDUCE", "level": 0}}}),
+    ("graph_transformer.propagate_cast_ops_config.allow",
+     {"graph_transformer": {"propagate_cast_ops_config": {"strategy": "INSERT_AND_REDUCE", "level": 0,
+                                                          "allow": ["Tanh"]}}},
+     "graph", {"graph_transformer": {"propagate_cast_ops_config": {"strategy": "INSERT_AND_REDUCE", "level": 0}}}),
+    ("utils.frozen_weights", {"utils": {"frozen_weights": ["0.weight"]}}, "weights", {}),
+    ("utils.grad_norm_clip", {"utils": {"grad_norm_clip": False}}, "graph", {}),
+    ("utils.memory_efficient_gradient", {"utils": {"memory_efficient_gradient": True}},
+     "refused:memory_efficient_gradient", {}),
+    ("debug.deterministic_compute", {"debug": {"deterministic_compute": True}}, "session:deterministic", {}),
+    ("debug.check_model_export", {"debug": {"check_model_export": True}}, "session:check", {}),
+    *[(f"debug.graph_save_paths.{key}", {"debug": {"graph_save_paths": {key: "{file}"}}}, "file", {})
+      for key in ("model_after_graph_transforms_path", "model_with_gradient_graph_path",
+                  "model_with_training_graph_after_optimization_path")],
+    ("debug.graph_save_paths.model_with_training_graph_path",
+     {"debug": {"graph_save_paths": {"model_with_training_graph_path": "{file}"}}}, "file", {}),
+    ("_internal_use.enable_internal_postprocess", {"_internal_use": {"enable_internal_postprocess": False}},
+     "cleanup", {}),
+    ("_internal_use.extra_postprocess", {"_internal_use": {"extra_postprocess": "{postprocess}"}}, "graph", {}),
+    ("_internal_use.onnx_opset_version", {"_internal_use": {"onnx_opset_version": 17}}, "graph", {}),
+    ("_internal_use.enable_onnx_contrib_ops", {"_internal_use": {"enable_onnx_contrib_ops": False}},
+     "graph:gelu", {}),
+    ("provider_options", {"provider_options": {"CPUExecutionProvider": {"a": "b"}}}, "refused:provider_options", {}),
+    ("session_options", {"session_options": "{session_options}"}, "file", {}),
+]
+# Checked by the tests named, on purpose not here.
+TRAINER_ELSEWHERE = {"utils.run_symbolic_shape_infer": "shape inference always runs: nothing to switch"}
+
+
+def _fill_trainer(options: Any, tmp_path: Path, calls: list[str]) -> Any:
+    """The options with their placeholders made: objects, files, a post-process hook."""
+    if isinstance(options, dict):
+        return {k: _fill_trainer(v, tmp_path, calls) for k, v in options.items()}
+    if options == "{scheduler}":
+        return _scheduler()
+    if options == "{scaler}":
+        return _scaler()
+    if options == "{file}":
+        return str(tmp_path / "asked.onnx")
+    if options == "{postprocess}":
+        return lambda model: (calls.append("extra_postprocess"), model)[1]
+    if options == "{session_options}":
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = str(tmp_path / "asked.onnx")
+        return so
+    return options
+
+
+@pytest.mark.parametrize("case", TRAINER_CASES, ids=[c[0] for c in TRAINER_CASES])
+def test_ort_trainer_options_take_effect(case: tuple[str, Any, str, Any], tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    import onnxruntime as ort
+
+    from gradgraph.torch import ORTTrainer
+
+    path, options, expect, base = case
+    kind, _, detail = expect.partition(":")
+    if path == "device.id" and "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is available here")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    calls: list[str] = []
+    options = _fill_trainer(options, tmp_path, calls)
+    if kind == "refused":
+        with pytest.raises((ValueError, NotImplementedError, GradientError), match=detail):
+            _trainer_outcome(options, tmp_path, "a")
+        return
+    if kind == "warns":
+        with pytest.warns(UserWarning, match=detail):
+            _trainer_outcome(options, tmp_path, "a")
+        return
+    if kind == "file":
+        _trainer_outcome(options, tmp_path, "a")
+        assert (tmp_path / "asked.onnx").exists()
+        return
+    if kind == "cleanup":  # the clean-up passes run by default, not with the option False
+        import passes.cleanup
+
+        made: list[bool] = []
+        original_pass = passes.cleanup.CleanupPass
+
+        class Counting(original_pass):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                made.append(True)
+                super().__init__(*args, **kwargs)
+
+        monkeypatch.setattr(passes.cleanup, "CleanupPass", Counting)
+        _trainer_outcome(options, tmp_path, "a")
+        assert not made
+        _trainer_outcome({}, tmp_path, "b")
+        assert made
+        return
+    if kind == "session":
+        seen: list[Any] = []
+
+        class Recording(ort.InferenceSession):
+            def __init__(self, model: Any, sess_options: Any = None, *args: Any, **kwargs: Any) -> None:
+                seen.append(sess_options)
+                super().__init__(model, sess_options, *args, **kwargs)
+
+        monkeypatch.setattr(ort, "InferenceSession", Recording)
+        if detail == "check":
+            original = ORTTrainer._check_export
+            monkeypatch.setattr(ORTTrainer, "_check_export",
+                                lambda self, *a: (calls.append("check"), original(self, *a))[1])
+        _trainer_outcome(options, tmp_path, "a")
+        if detail == "deterministic":
+            assert seen and all(s is not None and s.use_deterministic_compute for s in seen)
+        else:
+            assert calls == ["check"]
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if detail == "gelu":
+            monkeypatch.setattr(pytest.importorskip("torch").nn, "Tanh", pytest.importorskip("torch").nn.GELU)
+        mine = _trainer_outcome(options, tmp_path, "a")
+        theirs = _trainer_outcome(_fill_trainer(base, tmp_path, []), tmp_path, "b")
+    if path == "_internal_use.extra_postprocess":
+        assert calls == ["extra_postprocess"]
+        return
+    if kind == "weights":
+        assert _differ(mine["weights"], theirs["weights"]), f"{path}: the baseline's weights"
+    else:
+        assert mine[kind] and mine[kind] != theirs[kind], f"{path}: the baseline's {kind}"
+
+
+def test_every_ort_trainer_option_has_a_case() -> None:
+    pytest.importorskip("torch")
+    from gradgraph.torch.trainer_options import SCHEMA
+
+    def leaves(node: dict[str, Any], path: str = "") -> set[str]:
+        out: set[str] = set()
+        for key, rule in node["schema"].items():
+            where = f"{path}.{key}".lstrip(".")
+            group = rule["type"] == "dict" and isinstance(rule.get("schema"), dict) and "type" not in rule["schema"]
+            out |= leaves(rule, where) if group else {where}
+        return out
+
+    assert leaves(SCHEMA) == {c[0] for c in TRAINER_CASES} | set(TRAINER_ELSEWHERE)

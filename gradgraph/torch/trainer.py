@@ -442,7 +442,11 @@ class ORTTrainer:
             graph_transformer=GraphTransformerOptions(
                 cleanup=opts._internal_use.enable_internal_postprocess,
                 contrib_ops=opts._internal_use.enable_onnx_contrib_ops,
-                propagate_cast_ops=CastPropagationConfig(cast.strategy, cast.level, tuple(cast.allow)),
+                # the schema's default level 1 applies with mixed precision (a float32 graph has no
+                # casts to move); a level the user gives applies as given
+                propagate_cast_ops=CastPropagationConfig(cast.strategy, cast.level if (
+                    opts.mixed_precision.enabled or opts.was_set("graph_transformer.propagate_cast_ops_config"))
+                    else -1, tuple(cast.allow)),
                 recompute=recompute),
             mixed_precision=mp,
             debug=DebugOptions(GraphSavePaths(

@@ -21,6 +21,7 @@ gradgraph's departures, where the reference's value cannot apply:
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -270,6 +271,26 @@ class ORTTrainerOptions(_Group):
         given = dict(options or {})
         super().__init__(_validate("", SCHEMA, given), "")
         self._given = given
+        pipeline = self._values["distributed"]["pipeline_parallel"]
+        for key in ("sliced_schema", "sliced_axes", "sliced_tensor_names"):
+            if pipeline[key]:
+                raise NotImplementedError(f"ORTTrainerOptions 'distributed.pipeline_parallel.{key}'="
+                                          f"{pipeline[key]!r}: pipeline-parallel tensor slicing is not "
+                                          "implemented; leave it empty")
+        device = self._values["device"]
+        if device["id"] == "cpu" and (device["mem_limit"] or self.was_set("distributed.local_rank")):
+            warnings.warn("ORTTrainerOptions 'device.mem_limit' (CUDA's arena limit) and "
+                          "'distributed.local_rank' (the CUDA device of a rank) change nothing with "
+                          "device.id 'cpu'", UserWarning, stacklevel=2)
+        graph = self._values["graph_transformer"]
+        if graph["number_recompute_layers"] and not graph["transformer_layer_recompute"]:
+            raise ValueError(f"ORTTrainerOptions 'graph_transformer.number_recompute_layers'="
+                             f"{graph['number_recompute_layers']} sets how many transformer layers are "
+                             "recomputed: it needs 'graph_transformer.transformer_layer_recompute' True")
+        if self._values["graph_transformer"]["allow_layer_norm_mod_precision"]:
+            warnings.warn("ORTTrainerOptions 'graph_transformer.allow_layer_norm_mod_precision'=True "
+                          "changes nothing: gradgraph's mixed precision keeps LayerNorm statistics "
+                          "in fp32", UserWarning, stacklevel=2)
 
     def was_set(self, path: str) -> bool:
         """Whether the user gave ``path`` (a dotted key) rather than leaving its default."""
