@@ -1,4 +1,4 @@
-"""The messages with which gradgraph refuses, or warns about, torch parameters an export lost.
+"""The messages with which gradgraph refuses torch parameters an export lost, or lists them.
 
 A message names at most ``SHOWN`` parameters and gives the count of the rest (a GPT-2 export
 can lose 48 or more); ``--list-weights`` lists every one of them with its reason, and the
