@@ -20,7 +20,7 @@ from onnx import TensorProto, parser
 from onnx import helper as oh
 
 from gradgraph import check
-from gradgraph.check import gradcheck
+from gradgraph.check import gradcheck, oracles
 from gradgraph.cli.main import main as cli_main
 from passes.autodiff import GradientError, registry
 from passes.forward.to_double import ToDoublePass
@@ -165,7 +165,7 @@ def test_missing_float64_conv_kernel_falls_back_to_the_reference_evaluator(expor
 
 
 def test_float32_oracle_when_the_model_is_over_the_reference_limit(exports, capsys, monkeypatch):
-    monkeypatch.setattr(check, "REFERENCE_MAX_VALUES", 0)
+    monkeypatch.setattr(oracles, "REFERENCE_MAX_VALUES", 0)
     report = gradcheck(exports["cnn_noopt"], "loss", CNN_WEIGHTS)
     assert report.oracle == check.ORACLE_FLOAT32_ORT
     assert "no float64 kernel for Conv" in report.oracle_reason
@@ -181,7 +181,7 @@ def test_float32_oracle_when_the_model_is_over_the_reference_limit(exports, caps
 
 @pytest.mark.parametrize("limit", [check.REFERENCE_MAX_VALUES, 0], ids=["float64-reference", "float32"])
 def test_each_fallback_oracle_catches_a_wrong_rule(exports, monkeypatch, limit):
-    monkeypatch.setattr(check, "REFERENCE_MAX_VALUES", limit)
+    monkeypatch.setattr(oracles, "REFERENCE_MAX_VALUES", limit)
     _wrong_clip(monkeypatch)
     report = gradcheck(exports["cnn_noopt"], "loss", CNN_WEIGHTS)
     assert report.oracle == (check.ORACLE_FLOAT32_ORT if limit == 0 else check.ORACLE_FLOAT64_REFERENCE)
@@ -192,7 +192,7 @@ def test_each_fallback_oracle_catches_a_wrong_rule(exports, monkeypatch, limit):
 
 
 def test_reference_evaluator_also_stops_at_its_time_budget(exports, monkeypatch):
-    monkeypatch.setattr(check, "REFERENCE_MAX_SECONDS", 0.0)
+    monkeypatch.setattr(oracles, "REFERENCE_MAX_SECONDS", 0.0)
     report = gradcheck(exports["cnn_noopt"], "loss", ["fc.bias"])
     assert report.oracle == check.ORACLE_FLOAT32_ORT
     assert "would take about" in report.oracle_reason and report.ok
@@ -532,7 +532,7 @@ def _no_traceback_cases(tmp_path, exports, linear, monkeypatch):
     np.savez(bad_shape, x=np.ones((2, 3), np.float32), shape=np.array([4, 4]))
 
     def no_float32_runtime():
-        monkeypatch.setattr(check, "REFERENCE_MAX_VALUES", 0)
+        monkeypatch.setattr(oracles, "REFERENCE_MAX_VALUES", 0)
         real = check._ort_loss
 
         def ort_loss(model, loss):
@@ -541,10 +541,10 @@ def _no_traceback_cases(tmp_path, exports, linear, monkeypatch):
                     "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an implementation "
                     "for Conv(11) node with name 'node_conv2d'")
             return real(model, loss)
-        monkeypatch.setattr(check, "_ort_loss", ort_loss)
+        monkeypatch.setattr(oracles, "_ort_loss", ort_loss)
 
     def small_float32_step():
-        monkeypatch.setattr(check, "REFERENCE_MAX_VALUES", 0)
+        monkeypatch.setattr(oracles, "REFERENCE_MAX_VALUES", 0)
 
     cnn = [exports["cnn_noopt"], "--loss", "loss", "--weights", "conv.bias"]
     return {
@@ -640,7 +640,7 @@ def test_a_reference_kernel_that_disagrees_with_onnxruntime_is_not_the_oracle(mo
     report = gradcheck(_lrn_model(), "loss")
     assert report.oracle == check.ORACLE_FLOAT64_REFERENCE and report.ok, report
     stock = [k for k in check.REFERENCE_OVERRIDES if k.__name__ != "LRN"]
-    monkeypatch.setattr(check, "REFERENCE_OVERRIDES", stock)
+    monkeypatch.setattr(oracles, "REFERENCE_OVERRIDES", stock)
     report = gradcheck(_lrn_model(), "loss")
     assert report.oracle == check.ORACLE_FLOAT32_ORT and report.ok, report
     assert re.search(r"the ONNX reference evaluator's loss \(\S+\) differs from onnxruntime's "
