@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     check.add_argument("--max-elements", type=int, default=16,
                        help="entries checked per name, at least 1 (default: 16)")
     check.add_argument("--seed", type=int, default=0,
-                       help="seed of the random inputs and of the entries picked (default: 0)")
+                       help="seed of the random inputs, of the entries picked and of the random draws "
+                            "(Dropout masks, RandomNormal, ...) held fixed on both sides (default: 0)")
     add_list_weights(check)
     check.set_defaults(func=run)
     return check

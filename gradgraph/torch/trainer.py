@@ -33,7 +33,6 @@ statistics stay fp32). ``_internal_use.enable_onnx_contrib_ops=False``: standard
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import warnings
@@ -933,11 +932,14 @@ class ORTTrainer:
                                  "once first")
         if not str(path) or Path(path).is_dir():
             raise ValueError(f"ORTTrainer.save_as_onnx: {str(path)!r} is not a file path")
-        model = copy.deepcopy(session.artifacts.train)
-        state = session.get_state()
-        held = {i.name for i in model.graph.input}
-        model.graph.initializer.extend(onnx.numpy_helper.from_array(np.asarray(v), n)
-                                       for n, v in state.items() if n in held)
         from gradgraph.io import save_model
 
+        # The state wrapped in place (views of the session's buffers, no copy) as initializers
+        # of the held inputs; external data for a model over 1 GiB (gradgraph.io.save_model).
+        model = ir.from_proto(session.artifacts.train)
+        state = session.get_state_views()
+        for value in model.graph.inputs:
+            if value.name in state:
+                value.const_value = ir.Tensor(np.asarray(state[value.name]), name=value.name)
+                model.graph.register_initializer(value)
         save_model(model, path)
