@@ -120,6 +120,16 @@ def check_external_data(proto: onnx.ModelProto, path: Path) -> int:
     return total
 
 
+def is_large_file(path: str | os.PathLike) -> bool:
+    """Whether the model file ``path`` keeps :data:`EXTERNAL_DATA_THRESHOLD` bytes or more in
+    external data (read without loading them; False for anything that is not such a file)."""
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+        return check_external_data(proto, Path(path)) >= EXTERNAL_DATA_THRESHOLD
+    except Exception:  # noqa: BLE001 - not a model, or a bad one: load_model says why
+        return False
+
+
 def tensors(model: ir.Model) -> Iterator[tuple[ir.Value | None, ir.TensorProtocol]]:
     """Every tensor of ``model``: initializers of each graph (with their value) and tensor
     attributes (value None)."""
@@ -227,5 +237,5 @@ def inference_session(model: ir.Model, options: Any = None, **kwargs: Any) -> An
     return session
 
 
-__all__ = ["inference_session", "EXTERNAL_DATA_THRESHOLD", "EXTERNAL_TENSOR_MIN_BYTES", "check_external_data", "drop_resident",
+__all__ = ["inference_session", "is_large_file", "EXTERNAL_DATA_THRESHOLD", "EXTERNAL_TENSOR_MIN_BYTES", "check_external_data", "drop_resident",
            "is_large", "read_array", "session_parts", "tensor_bytes", "tensors"]
