@@ -124,6 +124,7 @@ def test_sgd_through_the_torch_module_and_loss_fn_matches_torch():
         np.testing.assert_allclose(float(loss), float(want.detach()), rtol=RTOL)
     _assert_weights(trainer, ref)
     assert trainer.global_step_ == STEPS
+    assert [(o.domain, o.version) for o in trainer._engine._onnx_model.opset_import] == [("", 14)]  # _opset_version
     fresh = _trainer(model, loss_fn=torch.nn.CrossEntropyLoss(), model_desc=desc)
     fresh.load_state_dict(trainer.state_dict(include_optimizer_state=False))  # before the export: kept
     x, y = _batches(1, seed=5)[0]

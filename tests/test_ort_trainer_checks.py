@@ -94,3 +94,9 @@ def test_max_norm_clip_in_a_parameter_group_is_refused_as_global(config):
     with pytest.raises(ValueError, match=r"params\[0\]: 'max_norm_clip' is the threshold of the global gradient "
                                          rf"norm.*{config.__name__}\(max_norm_clip=\.\.\.\)"):
         config(params=[{"params": ["fc.weight"], "max_norm_clip": 0.5}])
+
+
+def test_an_opset_below_18_is_exported_as_asked():
+    """torch's dynamo exporter keeps opset 18 where it cannot convert down (it did here, silently)."""
+    trainer = _step(Net(), [("loss", [], True), ("logits", ["batch", 4])], {"_internal_use": {"onnx_opset_version": 14}})
+    assert [o.version for o in trainer._onnx_model.opset_import if o.domain in ("", "ai.onnx")] == [14]

@@ -338,9 +338,16 @@ class ORTTrainer:
             raise NotImplementedError(f"ORTTrainer: BatchNorm {cumulative[0]!r} has momentum=None (a "
                                       "cumulative average over num_batches_tracked), which the training "
                                       "graph cannot follow; give it a momentum (torch's default is 0.1)")
-        exported = export_call(module, tuple(tensors), {}, training=True,
-                               opset=self.options._internal_use.onnx_opset_version, dynamic=dynamic,
-                               stop_gradients=True)
+        opset = self.options._internal_use.onnx_opset_version
+        # torch's dynamo exporter writes opset 18 and above (below, its conversion may keep 18):
+        # an older opset is the TorchScript exporter's, which writes it as asked
+        exported = export_call(module, tuple(tensors), {}, training=True, opset=opset, dynamic=dynamic,
+                               stop_gradients=True, exporter="legacy" if opset < 18 else "auto")
+        wrote = next((o.version for o in exported.model.opset_import if o.domain in ("", "ai.onnx")), opset)
+        if wrote != opset:
+            warnings.warn(f"ORTTrainerOptions '_internal_use.onnx_opset_version'={opset}: the {exported.exporter} "
+                          f"exporter wrote opset {wrote}; the training graph uses opset {wrote}",
+                          UserWarning, stacklevel=4)
         return self._rename(exported)
 
     def _rename(self, exported: ExportedCall) -> onnx.ModelProto:
