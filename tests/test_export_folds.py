@@ -382,6 +382,11 @@ def test_a_refusal_names_a_few_parameters_and_counts_the_rest(tmp_path: Path, ca
     assert cli_main(train + ["--list-weights"]) == 0
     out = capsys.readouterr().out
     assert all(n in out for n in names) and "not in the export" in out
+    # the advice to hold them fixed is one train can follow: the rest trains
+    assert "--freeze" in err
+    assert cli_main(train + ["--freeze", *names, "--quiet"]) == 0, capsys.readouterr().err
+    assert cli_main(train + ["--freeze", *names[:-1], "--quiet", "--overwrite"]) == 2
+    assert f"'{names[-1]}'" in capsys.readouterr().err
 
 
 def test_a_model_without_a_loss_is_told_to_compute_it_in_forward(tmp_path: Path, capsys) -> None:

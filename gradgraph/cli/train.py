@@ -272,12 +272,14 @@ def _precheck(args: argparse.Namespace) -> None:
     """The user errors every rank would hit, found once before the ranks start: the loss name,
     --freeze names, the data arrays against the model's inputs."""
     from gradgraph.io import load_model
+    from passes.exports.signature import torch_parameter_names
 
     model = load_model(args.model)
     outputs = [v.name for v in model.graph.outputs]
     if args.loss not in outputs:
         raise InputError(f"--loss {args.loss!r} is not an output of {args.model!r} (outputs: {outputs})")
-    unknown = [n for n in args.freeze if n not in model.graph.initializers]
+    known = set(model.graph.initializers) | torch_parameter_names(model)  # folded ones too
+    unknown = [n for n in args.freeze if n not in known]
     if unknown:
         raise InputError(f"--freeze {unknown}: not initializers of {args.model!r}")
     inputs = [v.name or "" for v in model.graph.inputs if not v.is_initializer()]

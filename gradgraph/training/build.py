@@ -57,6 +57,7 @@ from passes.autodiff import GradientError, GradientOptions
 from passes.autodiff.gradient_pass import GradientPass
 from passes.exports import KIND_KEY, WeightKind
 from passes.exports.classify import running_stat_names
+from passes.exports.signature import torch_parameter_names
 from passes.forward.eval_mode import EvalModePass
 from passes.forward.expose_running_stats import ExposeRunningStatsPass
 from passes.forward.params_to_inputs import ParamsToInputsPass
@@ -224,7 +225,8 @@ def training_pipeline(config: TrainingConfig, wanted: list[str] | None,
                       providers: Sequence[Any] | None = None) -> Pipeline:
     """The declared stages of the training build (see the module docstring)."""
     names, paths = config.names, config.debug.graph_save_paths
-    forward: list[PassBase] = [PrepareForGradientPass(strict_parameters=config.weights_to_train is None),
+    forward: list[PassBase] = [PrepareForGradientPass(strict_parameters=config.weights_to_train is None,
+                                                      frozen=frozenset(config.weights_not_to_train)),
                                ReduceLossPass(config.loss, config.loss_reduction),
                                GeluFusionPass(contrib=config.graph_transformer.contrib_ops,
                                               keep=config.weights_to_train or ()),
@@ -372,6 +374,7 @@ def _check_config(config: TrainingConfig, model: ir.Model) -> list[str] | None:
     if config.weights_to_train is not None:
         check_names("weights_to_train", config.weights_to_train)
     known = set(model.graph.initializers) | {v.name for v in model.graph.inputs if v.name}
+    known |= torch_parameter_names(model)  # parameters the export folded (recovered, or frozen)
     for what, listed in (("weights_not_to_train", config.weights_not_to_train),
                          ("weights_to_train", config.weights_to_train or ())):
         unknown_names(what, listed, known)

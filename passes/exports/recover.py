@@ -19,8 +19,9 @@ parameters as constants. Using the export signature (see :mod:`passes.exports.si
    an initializer (folded with other values, e.g. Conv+BatchNorm fusion or a lookup at
    constant indices; or an initializer that kept its name but holds folded values) cannot be
    recovered: in strict mode a :class:`GradientError` (:func:`~passes.exports.refusal.lost_error`)
-   names them and what avoids the fold; they are listed in ``self.lost`` and in the graph's
-   ``metadata_props[LOST_KEY]`` either way;
+   names them and what avoids the fold, unless each is in ``frozen`` and gone from the file
+   (held fixed, its folded constants keep its init values); they are listed in ``self.lost``
+   and in the graph's ``metadata_props[LOST_KEY]`` either way;
 5. a parameter that is no initializer and that nothing names (unused by forward, tied to a
    parameter the export keeps, or removed by a no-op rule such as ``x*1`` together with its
    record) is listed in ``self.unread`` and ``metadata_props[UNREAD_KEY]`` (``--list-weights``
@@ -55,9 +56,13 @@ _LOOKUPS = frozenset({"embedding", "index", "index_select", "select", "slice", "
 
 
 class RecoverParametersPass(InPlacePass):
-    def __init__(self, strict: bool = True) -> None:
+    def __init__(self, strict: bool = True, frozen: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.strict = strict
+        # Parameters the caller holds fixed (--freeze / weights_not_to_train): one folded away is
+        # no refusal, its folded constants hold its init values. One whose name now holds fused
+        # values (Conv+BatchNorm) still is: a checkpoint would save them under its name.
+        self.frozen = frozen
         self.lost: list[str] = []
         self.dropped: list[str] = []  # lost ones no folded constant names (see _find_lost)
         self.optimized = False  # the export has folded constants (its optimizer ran)
@@ -82,12 +87,15 @@ class RecoverParametersPass(InPlacePass):
         self._find_lost(graph, placeholders, missing)
         if self.lost:
             graph.metadata_props[LOST_KEY] = ",".join(self.lost)
-        if self.lost and self.strict:
-            folded = [p for p in self.lost if p not in self.dropped]
+        refused = [p for p in self.lost if p not in self.frozen or p in graph.initializers]
+        if refused and self.strict:
+            folded = [p for p in refused if p not in self.dropped]
             sources = {s for name, v in graph.initializers.items()
                        if re.sub(r"_\d+$", "", name) in _LOOKUPS for s in folded_from(v)}
             read_at_constants = [p for p in folded if p in sources and p not in self.fused]
-            raise lost_error(folded, self.dropped, optimized=self.optimized, read_at_constants=read_at_constants)
+            dropped = [p for p in self.dropped if p in refused]
+            raise lost_error(folded, dropped, optimized=self.optimized, read_at_constants=read_at_constants,
+                             freezable=not any(p in graph.initializers for p in refused))
         # Read by nothing and in no constant: unused by forward, tied to a parameter the export
         # keeps (one placeholder per tensor), or removed with an x*1-style call (the call is gone
         # with its record). These cannot be told apart in the file: --list-weights shows them.

@@ -19,6 +19,8 @@ LIST_HINT = "--list-weights (or gradgraph.list_weights) shows each with its reas
 REEXPORT_HINT = (f"re-export with {OPTIMIZE_FALSE} so that parameters stay initializers, or "
                  "choose the weights to differentiate yourself (grad/check --weights, "
                  "weights_to_train in the Python API)")
+FREEZE_HINT = ("or train the rest with these held at their exported values (train/build --freeze "
+               "NAME ..., weights_not_to_train)")
 
 
 def name_list(names: Sequence[str], shown: int = SHOWN) -> str:
@@ -34,12 +36,13 @@ def _count(names: Sequence[str]) -> str:
 
 
 def lost_error(folded: Sequence[str], dropped: Sequence[str], *, optimized: bool,
-               read_at_constants: Sequence[str]) -> GradientError:
+               read_at_constants: Sequence[str], freezable: bool = False) -> GradientError:
     """The refusal of an export whose parameters gradgraph cannot give back.
 
     ``folded``: folded into other constants; ``dropped``: read by a call but in no constant
     (the exporter's form of the call does not use them); ``read_at_constants``: those of
-    ``folded`` that were read at constant indices (embeddings of fixed position ids).
+    ``folded`` that were read at constant indices (embeddings of fixed position ids);
+    ``freezable``: none of them left its name on other values, so freezing them all is a way out.
     """
     reasons = []
     if folded:
@@ -59,6 +62,8 @@ def lost_error(folded: Sequence[str], dropped: Sequence[str], *, optimized: bool
                        "dropped them (its ONNX form of the call does not use them); choose the "
                        "weights to differentiate yourself (grad/check --weights, weights_to_train)")
     every = [*folded, *dropped]
+    if freezable:
+        reasons.append(FREEZE_HINT)
     error = GradientError("; ".join(reasons) + (f"; {LIST_HINT}" if len(every) > SHOWN else ""))
     error.parameters = tuple(every)  # type: ignore[attr-defined]
     return error

@@ -108,6 +108,13 @@ def fx_call(node: ir.Node) -> FxCall | None:
     return FxCall(target, _split_args(args))
 
 
+def torch_parameter_names(model: ir.Model) -> set[str]:
+    """The torch names of every parameter the export signature lists (none without one), also
+    of those the exporter's optimizer folded away: names ``--freeze`` may give."""
+    signature = TorchSignature.read(model)
+    return signature.parameters if signature is not None else set()
+
+
 def fx_name(node: ir.Node) -> str | None:
     """The FX node name recorded on ``node`` (``%layer_norm_1 : ... = call_function...`` ->
     ``layer_norm_1``): the exporter names the call's output value after it."""

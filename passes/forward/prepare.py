@@ -38,16 +38,18 @@ from passes.forward.sequence_types import TypeSequenceOutputsPass
 
 
 class PrepareForGradientPass(InPlacePass):
-    def __init__(self, strict_parameters: bool = True) -> None:
+    def __init__(self, strict_parameters: bool = True, frozen: frozenset[str] = frozenset()) -> None:
         super().__init__()
-        # Refuse exports whose parameters were folded irreversibly (see RecoverParametersPass).
+        # Refuse exports whose parameters were folded irreversibly (see RecoverParametersPass),
+        # but those held fixed (``frozen``) and gone from the file.
         self.strict_parameters = strict_parameters
+        self.frozen = frozen
 
     def call(self, model: ir.Model) -> PassResult:
         steps = Sequential(
             common.InlinePass(),
             common.RemoveUnusedFunctionsPass(),
-            RecoverParametersPass(strict=self.strict_parameters),
+            RecoverParametersPass(strict=self.strict_parameters, frozen=self.frozen),
             TorchConventionsPass(),
             ClassifyWeightsPass(),
             ExposeRunningStatsPass(),
