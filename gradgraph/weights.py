@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-import onnx_ir as ir
 
 from gradgraph.io import load_model
 from passes.autodiff import GradientOptions, build_gradient
@@ -37,7 +36,8 @@ def list_weights(model: Any, loss: str | None = None) -> list[WeightInfo]:
     forward = PrepareForGradientPass(strict_parameters=False)(load_model(model)).model
     reaching: set[str] | None = None
     if loss is not None:
-        reaching = set(build_gradient(ir.from_proto(ir.to_proto(forward)), loss, None,
+        # a copy of the graph sharing the tensors (a model over 1 GiB keeps them in its files)
+        reaching = set(build_gradient(forward.clone(deep_copy=True), loss, None,
                                       GradientOptions(allow_unused=True)))
     rows = []
     lost = list(filter(None, forward.graph.metadata_props.get(LOST_KEY, "").split(",")))

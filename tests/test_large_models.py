@@ -167,6 +167,11 @@ def end_to_end(tmp: Path, k: int, n: int, env: dict[str, str]) -> dict[str, int]
     _close(got["w2_grad"][:rows], ref2)
     del session, got
 
+    # --list-weights
+    listed, peaks["train --list-weights"] = _run(["train", str(model), "--loss", "loss", "--list-weights"],
+                                                  env, tmp)
+    assert "2 trained" in listed
+
     # check: not supported over the threshold yet (its float64 oracle is built as protobufs):
     # one line and exit 2, never a traceback
     result = subprocess.run([sys.executable, "-m", "gradgraph", "check", str(model), "--loss", "loss",
