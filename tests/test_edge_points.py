@@ -212,11 +212,6 @@ _EXPORTED = {
     "atan2": (lambda x: torch.atan2(x[0], x[1]), (0.0, 1.0, -1.0)),
     "adaptive_max_pool1d": (lambda x: F.adaptive_max_pool1d(x.unsqueeze(0), 2).squeeze(0), (0.0, 1.0)),
 }
-_EXPORTED_XFAIL = {
-    "atan2": "torchlib writes atan2 as Atan(Div(y, x)) with Where corrections: its gradient is NaN "
-             "at x = 0 (0 / 0 in Div's rule), where torch's atan2 gives x / (x^2 + y^2) and 0 at "
-             "(0, 0); needs the decomposition recognised as one atan2 (not done)",
-}
 
 
 class _Weighted(torch.nn.Module):
@@ -243,8 +238,7 @@ def _exported(key: str) -> tuple[object, np.ndarray]:
     return (fdcheck.session(grad), out), weight.numpy().astype(np.float64)
 
 
-@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.xfail(reason=_EXPORTED_XFAIL[k], strict=True))
-                                 if k in _EXPORTED_XFAIL else k for k in _EXPORTED])
+@pytest.mark.parametrize("key", list(_EXPORTED))
 @settings(max_examples=15, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_exported_torch_function_at_singular_points_matches_torch(key, data):

@@ -21,7 +21,10 @@ The ONNX op alone cannot say these; a dynamo export's FX provenance (``fx_call``
    already (the optimizer removes an inference Dropout); with ``optimize=False`` it is kept;
 6. ``ReduceMax`` / ``ReduceMin`` from ``aten.max.dim`` / ``aten.min.dim``: a tie's gradient goes
    to the first extreme, the index torch returns (``EXTREME_TIES_KEY = "first"``); without a
-   mark ties share the gradient, as ``aten.amax`` / ``aten.amin`` (and ``torch.max(x)``) do.
+   mark ties share the gradient, as ``aten.amax`` / ``aten.amin`` (and ``torch.max(x)``) do;
+7. ``Atan(Div(y, x))`` from ``aten.atan2`` (torchlib's decomposition; the Div read by the Atan
+   alone): ``ATAN2_KEY`` marks both, and their gradient is atan2's, ``(x, -y) / (x^2 + y^2)``
+   and 0 at (0, 0) as torch's, not NaN at x = 0.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.autodiff.rules.elementwise import CLIP_BOUNDS_KEY
+from passes.autodiff.rules.elementwise import ATAN2_KEY, CLIP_BOUNDS_KEY
 from passes.autodiff.rules.reduce import EXTREME_TIES_KEY
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
 from passes.exports.signature import fx_call
@@ -44,6 +47,7 @@ _TRAINING_BATCH_NORMS = frozenset({"aten._native_batch_norm_legit_functional.def
                                    "aten._native_batch_norm_legit.default"})
 _CLAMPS = frozenset({"aten.clamp.default", "aten.clamp.Tensor", "aten.clip.default",
                      "aten.clamp_min.default", "aten.clamp_max.default"})
+_ATAN2 = "aten.atan2.default"
 _EXTREMES_WITH_INDEX = {"ReduceMax": "aten.max.dim", "ReduceMin": "aten.min.dim"}
 
 
@@ -87,8 +91,26 @@ class TorchConventionsPass(InPlacePass):
                 if node.metadata_props.get(EXTREME_TIES_KEY) != "first":
                     node.metadata_props[EXTREME_TIES_KEY] = "first"
                     modified = True
+            elif node.op_type == "Atan" and call.target == _ATAN2:
+                modified |= _mark_atan2(node)
         attention = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if is_attention_dropout(n)]
         return PassResult(model, train_dropouts(model, attention) or modified)
+
+
+def _mark_atan2(atan: ir.Node) -> bool:
+    """Mark torchlib's ``Atan(Div(y, x))`` of one atan2 call (convention 7); False when the Div
+    is not the atan2's own or something else reads it."""
+    ratio = atan.inputs[0].producer() if atan.inputs and atan.inputs[0] is not None else None
+    if ratio is None or ratio.op_type != "Div" or len(ratio.outputs[0].uses()) != 1:
+        return False
+    call = fx_call(ratio)
+    if call is None or call.target != _ATAN2 or ratio.outputs[0].is_graph_output():
+        return False
+    if atan.metadata_props.get(ATAN2_KEY) == "atan" and ratio.metadata_props.get(ATAN2_KEY) == "ratio":
+        return False
+    atan.metadata_props[ATAN2_KEY] = "atan"
+    ratio.metadata_props[ATAN2_KEY] = "ratio"
+    return True
 
 
 def _untrained_dropout(node: ir.Node) -> bool:

@@ -29,9 +29,23 @@ def _mul(b, n, g):
     return [g[0] * c if n.needs_grad(0) else None, g[0] * a if n.needs_grad(1) else None]
 
 
+# Node metadata on torch's atan2 as torchlib writes it, ``Atan(Div(y, x))`` (set from the
+# exporter's record, passes.exports.conventions): "atan" on the Atan, which passes its gradient
+# on unchanged, "ratio" on the Div, which applies atan2's derivative (x, -y) / (x^2 + y^2), 0 at
+# (0, 0) as torch: the chain through y / x is 0 * inf at x = 0.
+ATAN2_KEY = "gradgraph.atan2"
+
+
 @grad_rule("Div", broadcast=True)
 def _div(b, n, g):
     a, c = n.inputs
+    if n.node.metadata_props.get(ATAN2_KEY) == "ratio":
+        radius = a * a + c * c
+        at_origin = b.Equal(radius, 0.0)
+        safe = b.Where(at_origin, 1.0, radius, _like=radius)
+        zero = b.const(0.0, g[0].dtype)
+        return [b.Where(at_origin, zero, g[0] * c / safe) if n.needs_grad(0) else None,
+                b.Where(at_origin, zero, -(g[0] * a) / safe) if n.needs_grad(1) else None]
     da = g[0] / c if n.needs_grad(0) else None
     dc = -(g[0] * n.outputs[0]) / c if n.needs_grad(1) else None
     return [da, dc]
@@ -116,7 +130,8 @@ _unary("Cos", lambda b, x, y, n: -b.Sin(x))
 _unary("Tan", lambda b, x, y, n: 1.0 + y * y)
 _unary("Asin", lambda b, x, y, n: b.Reciprocal(b.Sqrt(1.0 - x * x)))
 _unary("Acos", lambda b, x, y, n: -b.Reciprocal(b.Sqrt(1.0 - x * x)))
-_unary("Atan", lambda b, x, y, n: b.Reciprocal(1.0 + x * x))
+_unary("Atan", lambda b, x, y, n: (b.const(1.0, x.dtype) if n.node.metadata_props.get(ATAN2_KEY) == "atan"
+                                   else b.Reciprocal(1.0 + x * x)))
 _unary("Sinh", lambda b, x, y, n: b.Cosh(x))
 _unary("Cosh", lambda b, x, y, n: b.Sinh(x))
 _unary("Asinh", lambda b, x, y, n: b.Reciprocal(b.Sqrt(x * x + 1.0)))
