@@ -31,6 +31,7 @@ from gradgraph.feeds import InputError
 from gradgraph.index_inputs import ALLOW_NEGATIVE_KEY, index_uses
 from gradgraph.training.options import TrainingConfig
 from gradgraph.training.session import TrainingSession
+from passes.autodiff import GradientError
 from passes.optimizer import SGDConfig
 
 torch = pytest.importorskip("torch")
@@ -321,3 +322,19 @@ def test_a_cast_inserted_by_onnxruntime_is_told_from_a_native_kernel():
 
     assert runs_natively("Gemm", "", int(onnx.TensorProto.FLOAT)) is True
     assert runs_natively("Gemm", "", int(onnx.TensorProto.FLOAT16)) is False
+
+
+def test_check_refuses_a_random_draw_inside_a_subgraph():
+    """A Dropout in an If branch cannot be held fixed by the check: refused, naming the node."""
+    model = parser.parse_model("""
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[4, 3] x, bool c) => (float loss) <float[3] w = {1.0, 2.0, 3.0}, float r = {0.5}, bool t = {1}> {
+    y = Mul(x, w)
+    z = If(c) <then_branch = g1 () => (float[4, 3] d1) { d1, m1 = Dropout(y, r, t) },
+                else_branch = g2 () => (float[4, 3] d2) { d2 = Identity(y) }>
+    loss = ReduceSum(z)
+}
+""")
+    model.graph.node[1].name = "branchy"
+    with pytest.raises(GradientError, match=r"node 'branchy' \(If\) draws random numbers inside its subgraph"):
+        gradcheck(model, "loss")
