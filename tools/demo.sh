@@ -18,5 +18,5 @@ mkdir -p out
   --memory-budget 12288
 if "$GG" train -h >/dev/null 2>&1; then
   "$GG" train "$EX/mlp.onnx" --loss loss --data "$EX/mlp_data.npz" --optimizer adamw --lr 1e-2 \
-    --steps 200 --batch-size 64 --checkpoint-dir out/checkpoints
+    --steps 200 --batch-size 64 --checkpoint-dir out/checkpoints --overwrite
 fi
