@@ -152,6 +152,11 @@ def test_every_block_of_the_page_runs(page: Path, page_results: dict[Path, PageR
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_every_fence_is_tagged_and_every_marker_has_a_reason(page: Path) -> None:
+    parse_blocks(page.read_text(), page.name)  # raises DocFormatError naming the line (fast)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_a_block_run_elsewhere_is_there_as_it_is(page: Path) -> None:
     for block in parse_blocks(page.read_text(), page.name):
         match = RUNS_IN.match(block.skip_reason or "")
