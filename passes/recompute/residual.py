@@ -137,13 +137,14 @@ def _segment(start: ir.Node, end: ir.Node, forward: Sequence[ir.Node]) -> list[i
         below.add(id(node))
         back.extend(p for v in node.inputs if v is not None and (p := v.producer()) is not None)
     members = above & below
-    changed = True
-    while changed:  # drop nodes handing values outside the segment (the end hands the stream on)
-        leaving = {id(n) for n in forward if id(n) in members and n is not end
+    nodes = [n for n in forward if id(n) in members]
+    while True:  # drop nodes handing values outside the segment (the end hands the stream on)
+        leaving = {id(n) for n in nodes if n is not end
                    and any(id(u) not in members for u in _successors(n))}
-        changed = bool(leaving)
+        if not leaving:
+            return nodes
         members -= leaving
-    return [n for n in forward if id(n) in members]
+        nodes = [n for n in nodes if id(n) in members]
 
 
 def _signature(nodes: Sequence[ir.Node]) -> tuple[tuple[str, str], ...]:
