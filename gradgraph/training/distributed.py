@@ -249,7 +249,7 @@ class DataParallelRunner:
         for w in art.trained:  # accumulation happens here, not in graph buffers
             store.values.pop(names.buffer(w), None)
         for name in art.params:  # every rank starts from rank 0's weights (as DDP)
-            store.set(name, self.coll.broadcast(store.get(name), 0))
+            store.set(name, self.coll.broadcast(store.get(name), 0), owned=True)
         held = set(store.names())
         grad_proto, self.grad_outputs = gradient_model(art)
         if set(self.grad_outputs) != set(art.trained):
@@ -315,9 +315,9 @@ class DataParallelRunner:
         if finite:
             if self.config.zero_stage == 1:  # all-gather: each weight from its owner
                 for w in session.artifacts.trained:
-                    store.set(w, self.coll.broadcast(store.get(w), self.owner[w]))
+                    store.set(w, self.coll.broadcast(store.get(w), self.owner[w]), owned=True)
         for name in session.artifacts.buffers:  # running statistics: rank 0's (as DDP)
-            store.set(name, self.coll.broadcast(store.get(name), 0))
+            store.set(name, self.coll.broadcast(store.get(name), 0), owned=True)
         session.last_step_finite = finite
         session.skipped_steps += not finite
 
