@@ -1097,3 +1097,115 @@ def test_every_ort_trainer_option_has_a_case() -> None:
         return out
 
     assert leaves(SCHEMA) == {c[0] for c in TRAINER_CASES} | set(TRAINER_ELSEWHERE)
+
+
+# ---- RecomputeOptions: the switches and the planner's heuristics ---------------------------------
+
+RECOMPUTE_MODEL = """<ir_version: 9, opset_import: ["" : 20]>
+g (float[B,64] x, float[64,64] w1, float[64,64] w2, float[64,64] w3) => (float loss) {
+  h1 = MatMul(x, w1)
+  t1 = Tanh(h1)
+  s1 = Sigmoid(t1)
+  p1 = Mul(s1, t1)
+  h2 = MatMul(p1, w2)
+  t2 = Tanh(h2)
+  e2 = Exp(t2)
+  h3 = MatMul(e2, w3)
+  one = Constant<value = float {1.0}>()
+  pos = Greater(e2, one)
+  zero = Constant<value = float {0.0}>()
+  r = Where(pos, h3, zero)
+  loss = ReduceSum<keepdims = 0>(r)
+}"""
+GELU_INTO_MUL = """<ir_version: 9, opset_import: ["" : 20]>
+g (float[4,8] x, float[8,16] w1) => (float loss) {
+  h = MatMul(x, w1)
+  a = Gelu(h)
+  o = Mul(a, a)
+  loss = ReduceSum<keepdims = 0>(o)
+}"""
+# Two layers told apart by node names in a scope the default pattern does not know (blk_N).
+SCOPED = """<ir_version: 9, opset_import: ["" : 20]>
+g (float[4,8] x, float[8,8] w0, float[8,8] w1, float[8,8] w2) => (float loss) {
+  a0 = MatMul(x, w0)
+  t0 = Tanh(a0)
+  l0 = Mul(t0, t0)
+  a1 = MatMul(l0, w1)
+  t1 = Tanh(a1)
+  l1 = Mul(t1, t1)
+  a2 = MatMul(l1, w2)
+  t2 = Tanh(a2)
+  loss = ReduceSum<keepdims = 0>(t2)
+}"""
+
+
+def _recomputed(text: str, options: RecomputeOptions, scopes: bool = False) -> list[str]:
+    """The forward nodes ``options`` recompute in the gradient graph of ``text``."""
+    from passes.marks import RECOMPUTE_OF_KEY, Role, role_of
+    from passes.recompute import RecomputePass
+
+    proto = onnx.parser.parse_model(text)
+    for index, node in enumerate(proto.graph.node):
+        node.name = f"/blk_{index // 3}/{node.op_type}" if scopes else f"n{index}_{node.op_type}"
+    weights = [i.name for i in proto.graph.input if i.name.startswith("w")]
+    model = onnx_ir_from(gradgraph.build_gradient_graph(proto, "loss", weights))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        RecomputePass(options)(model)
+    return sorted({n.metadata_props[RECOMPUTE_OF_KEY] for n in model.graph if role_of(n) == Role.RECOMPUTE})
+
+
+def onnx_ir_from(proto: onnx.ModelProto) -> Any:
+    import onnx_ir as ir
+
+    return ir.from_proto(proto)
+
+
+PLAN = RecomputeOptions(memory_budget=0, dims=(("B", 8),))
+RECOMPUTE_CASES: list[tuple[str, Any, Any, str]] = [
+    # (field, options, baseline options, model)
+    ("gelu", RecomputeOptions(gelu=True, gelu_consumers=("Mul",)), RecomputeOptions(), GELU_INTO_MUL),
+    ("gelu_consumers", RecomputeOptions(gelu=True, gelu_consumers=("Mul",)), RecomputeOptions(gelu=True),
+     GELU_INTO_MUL),
+    ("transformer_layers", RecomputeOptions(transformer_layers=True, layer_scope_pattern=r"blk_(\d+)$"),
+     RecomputeOptions(), SCOPED),
+    ("layer_scope_pattern", RecomputeOptions(transformer_layers=True, layer_scope_pattern=r"blk_(\d+)$"),
+     RecomputeOptions(transformer_layers=True), SCOPED),
+    ("number_recompute_layers", RecomputeOptions(transformer_layers=True, layer_scope_pattern=r"blk_(\d+)$",
+                                                 number_recompute_layers=1),
+     RecomputeOptions(transformer_layers=True, layer_scope_pattern=r"blk_(\d+)$"), SCOPED),
+    ("memory_budget", PLAN, RecomputeOptions(), RECOMPUTE_MODEL),
+    ("dims", PLAN, RecomputeOptions(memory_budget=0), RECOMPUTE_MODEL),
+    ("unknown_bytes", RecomputeOptions(memory_budget=0, unknown_bytes=1000), RecomputeOptions(memory_budget=0),
+     RECOMPUTE_MODEL),
+    ("banned_ops", dataclasses.replace(PLAN, banned_ops=("Exp",)), PLAN, RECOMPUTE_MODEL),
+    ("compute_intensive_ops", dataclasses.replace(PLAN, compute_intensive_ops=()), PLAN, RECOMPUTE_MODEL),
+    ("recompute_compute_intensive", dataclasses.replace(PLAN, recompute_compute_intensive=True), PLAN,
+     RECOMPUTE_MODEL),
+    ("recompute_non_float", dataclasses.replace(PLAN, recompute_non_float=True), PLAN, RECOMPUTE_MODEL),
+    ("max_recompute_chain", dataclasses.replace(PLAN, max_recompute_chain=1), PLAN, RECOMPUTE_MODEL),
+    ("cost_weights", dataclasses.replace(PLAN, memory_budget=9000, cost_weights=(("Mul", 1000.0),)),
+     dataclasses.replace(PLAN, memory_budget=9000), RECOMPUTE_MODEL),
+    ("default_cost_weight", dataclasses.replace(PLAN, memory_budget=7000, default_cost_weight=100.0),
+     dataclasses.replace(PLAN, memory_budget=7000), RECOMPUTE_MODEL),
+]
+# Fields whose effect another test shows.
+RECOMPUTE_ELSEWHERE = {
+    "attn_dropout": "tests/test_recompute.py::test_attention_dropout_recompute_reuses_the_mask",
+    "nothing_recomputed": "tests/test_recompute_layers.py::test_an_option_matching_nothing_warns_or_raises",
+    "layer_start_edges": "none: the reference's start edges (LayerNorm/Dropout with 4 forward consumers) "
+                         "are only exercised at their default, on the tiny BERT export "
+                         "(tests/test_recompute.py::test_tiny_bert_layers_found_by_the_reference_edges)",
+}
+
+
+@pytest.mark.parametrize("field,options,base,text", RECOMPUTE_CASES, ids=[c[0] for c in RECOMPUTE_CASES])
+def test_recompute_options_take_effect(field: str, options: RecomputeOptions, base: RecomputeOptions,
+                                       text: str) -> None:
+    scopes = text is SCOPED
+    assert _recomputed(text, options, scopes) != _recomputed(text, base, scopes), field
+
+
+def test_every_recompute_option_has_a_case() -> None:
+    fields = {f.name for f in dataclasses.fields(RecomputeOptions)}
+    assert fields == {c[0] for c in RECOMPUTE_CASES} | set(RECOMPUTE_ELSEWHERE)
