@@ -171,6 +171,42 @@ def test_erf_gelu_recompute_clones_the_whole_formula():
     assert stashed.isdisjoint({"d", "e", "p", "m", "a"}) and "h" in stashed
 
 
+def _tanh_gelu(cube: str, tail: str) -> str:
+    """GPT-2's gelu_new written out: the cube as Pow or x*x*x, the 0.5 before or after."""
+    cube_nodes = ("c3 = Constant<value = float {3.0}>()\n  p = Pow(h, c3)" if cube == "pow"
+                  else "hh2 = Mul(h, h)\n  p = Mul(hh2, h)")
+    tail_nodes = ("hh = Mul(h, half)\n  a = Mul(hh, pl)" if tail == "half_first"
+                  else "xa = Mul(h, pl)\n  a = Mul(xa, half)")
+    return HEAD + f"""
+g (float[4,8] x, float[8,16] w1, float[16,8] w2) => (float loss) {{
+  h = MatMul(x, w1)
+  {cube_nodes}
+  k = Constant<value = float {{0.044715}}>()
+  q = Mul(k, p)
+  u = Add(h, q)
+  s = Constant<value = float {{0.7978845608}}>()
+  v = Mul(u, s)
+  t = Tanh(v)
+  one = Constant<value = float {{1.0}}>()
+  pl = Add(t, one)
+  half = Constant<value = float {{0.5}}>()
+  {tail_nodes}
+  o = MatMul(a, w2)
+  loss = ReduceSum<keepdims = 0>(o)
+}}"""
+
+
+@pytest.mark.parametrize("cube", ["pow", "muls"])
+@pytest.mark.parametrize("tail", ["half_first", "half_last"])
+def test_tanh_gelu_recompute_clones_the_whole_formula(cube, tail):
+    model = gradient_model(_tanh_gelu(cube, tail), ["w1", "w2"])
+    changed = check_recompute(model, GeluRecomputePass(), feeds_of(model), exact=False)
+    recomputed = {n.metadata_props[RECOMPUTE_OF_KEY] for n in changed.graph if role_of(n) == Role.RECOMPUTE}
+    ops = {n.name: n.op_type for n in model.graph}
+    assert sorted(ops[name] for name in recomputed if name in ops).count("Tanh") == 1
+    assert {s.name for s in stashed_values(changed)} & {"t", "pl", "v", "u", "p", "q"} == set()
+
+
 def test_gelu_not_feeding_matmul_is_left_alone():
     text = MLP_GELU.replace("o = MatMul(a, w2)", "o = Mul(a, a)").replace("float[16,8] w2", "float[16] w2")
     model = gradient_model(text, ["w1"])

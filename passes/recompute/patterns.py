@@ -4,7 +4,8 @@ Each function reads a forward+backward graph and returns :class:`RecomputeGroup`
 rewrite itself (clone, rewire, place) is :func:`passes.recompute.recompute_pass.apply_groups`.
 
 1. :func:`gelu_groups` (ORT ``localized_recompute.cc``, GeluRecompute): a Gelu, FastGelu or
-   BiasGelu, or the erf form exporters write, ``x * 0.5 * (1 + Erf(x / sqrt 2))``, whose output's
+   BiasGelu, or the erf form exporters write, ``x * 0.5 * (1 + Erf(x / sqrt 2))``, or the tanh
+   form (GPT-2's ``gelu_new``, :func:`match_tanh_gelu`), whose output's
    first forward consumer is a MatMul. The backward reads a recomputed output (the erf form's
    intermediates too), so only ``x`` stays stashed;
 2. :func:`attn_dropout_groups` (``dropout_recompute.cc``): a training Dropout fed by Softmax (through dtype Casts or Identities)
@@ -26,6 +27,7 @@ nor are nodes with only non-float outputs (shapes, indices) unless ``recompute_n
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Iterable
 
@@ -151,6 +153,64 @@ def match_erf_gelu(erf: ir.Node) -> tuple[list[ir.Node], ir.Value] | None:
     return [pre, half, erf, add, mul], mul.outputs[0]
 
 
+def _cube_of(value: ir.Value | None) -> tuple[ir.Value, list[ir.Node]] | None:
+    """(x, nodes) of ``Pow(x, 3)`` or ``x * x * x``."""
+    node = value.producer() if value is not None else None
+    if node is None:
+        return None
+    if node.op_type == "Pow" and len(node.inputs) == 2 and node.inputs[0] is not None \
+            and _near(const_scalar(node.inputs[1]), 3.0):
+        return node.inputs[0], [node]
+    if node.op_type == "Mul" and len(node.inputs) == 2:
+        for square, x in (node.inputs, node.inputs[::-1]):
+            inner = square.producer() if square is not None else None
+            if inner is not None and inner.op_type == "Mul" and x is not None \
+                    and list(inner.inputs) == [x, x]:
+                return x, [inner, node]
+    return None
+
+
+def match_tanh_gelu(tanh: ir.Node) -> tuple[list[ir.Node], ir.Value] | None:
+    """(nodes, output) of ``0.5 * x * (1 + Tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))`` around
+    ``tanh`` (GPT-2's ``gelu_new``; the cube as ``Pow(x, 3)`` or ``x * x * x``), else None."""
+    scale = tanh.inputs[0].producer() if tanh.inputs and tanh.inputs[0] is not None else None
+    if scale is None or scale.op_type != "Mul" or len(scale.inputs) != 2:
+        return None
+    inner = next((v for v in scale.inputs if not _near(const_scalar(v), (2 / math.pi) ** 0.5)), None)
+    if inner is None or sum(_near(const_scalar(v), (2 / math.pi) ** 0.5) for v in scale.inputs) != 1:
+        return None
+    add = inner.producer()
+    if add is None or add.op_type != "Add" or len(add.inputs) != 2:
+        return None
+    for x, term in (add.inputs, add.inputs[::-1]):
+        coef = term.producer() if term is not None else None
+        if x is None or coef is None or coef.op_type != "Mul" or len(coef.inputs) != 2:
+            continue
+        cube = next((_cube_of(v) for v in coef.inputs if _near(const_scalar(_other(coef, v)), 0.044715)), None)
+        if cube is not None and cube[0] is x:
+            before = [*cube[1], coef, add, scale]
+            break
+    else:
+        return None
+    plus = _first_user(tanh.outputs[0])
+    if plus is None or plus.op_type != "Add" or not _near(const_scalar(_other(plus, tanh.outputs[0])), 1.0):
+        return None
+    mul = _first_user(plus.outputs[0])
+    if mul is None or mul.op_type != "Mul":
+        return None
+    t = _other(mul, plus.outputs[0])
+    if t is x:  # (x * (1 + tanh)) * 0.5
+        half = _first_user(mul.outputs[0])
+        if half is None or half.op_type != "Mul" or not _near(const_scalar(_other(half, mul.outputs[0])), 0.5):
+            return None
+        return [*before, tanh, plus, mul, half], half.outputs[0]
+    half = t.producer() if t is not None else None  # (x * 0.5) * (1 + tanh)
+    if half is None or half.op_type != "Mul" or x not in half.inputs \
+            or not _near(const_scalar(_other(half, x)), 0.5):
+        return None
+    return [half, *before, tanh, plus, mul], mul.outputs[0]
+
+
 def gelu_groups(graph: ir.Graph, options: RecomputeOptions) -> list[RecomputeGroup]:
     """Case 1 of the module docstring."""
     groups = []
@@ -161,6 +221,8 @@ def gelu_groups(graph: ir.Graph, options: RecomputeOptions) -> list[RecomputeGro
             found: tuple[list[ir.Node], ir.Value] | None = ([node], node.outputs[0])
         elif node.op_type == "Erf":
             found = match_erf_gelu(node)
+        elif node.op_type == "Tanh":
+            found = match_tanh_gelu(node)
         else:
             continue
         if found is None or not all(recomputable(n, options) for n in found[0]):
@@ -220,8 +282,8 @@ def reference_layers(graph: ir.Graph, options: RecomputeOptions) -> list[list[ir
     ends = []
     for node in forward:
         gelu = node.outputs[0] if node.op_type in GELU_OPS else None
-        if node.op_type == "Erf":
-            match = match_erf_gelu(node)
+        if node.op_type in ("Erf", "Tanh"):
+            match = match_erf_gelu(node) if node.op_type == "Erf" else match_tanh_gelu(node)
             gelu = match[1] if match else None
         end = _end_from(gelu) if gelu is not None else None
         if end is not None and end not in ends:

@@ -362,7 +362,8 @@ _SET_BY = {"gelu": ("gelu_recompute", "--recompute gelu"),
            "transformer_layers": ("transformer_layer_recompute", "--recompute transformer_layers"),
            "memory_budget": ("recompute_memory_budget", "--memory-budget")}
 _LOOKED_FOR = {
-    "gelu": "a Gelu, FastGelu or BiasGelu, or the erf form x * 0.5 * (1 + Erf(x / sqrt 2)), whose "
+    "gelu": "a Gelu, FastGelu or BiasGelu, or the erf form x * 0.5 * (1 + Erf(x / sqrt 2)) or "
+            "the tanh form 0.5 * x * (1 + Tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), whose "
             "output's first forward consumer is one of gelu_consumers",
     "attn_dropout": "a training Dropout (constant ratio, a mask output) fed by Softmax whose "
                     "output's first forward consumer is a MatMul",
