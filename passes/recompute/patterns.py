@@ -186,7 +186,8 @@ def match_tanh_gelu(tanh: ir.Node) -> tuple[list[ir.Node], ir.Value] | None:
         coef = term.producer() if term is not None else None
         if x is None or coef is None or coef.op_type != "Mul" or len(coef.inputs) != 2:
             continue
-        cube = next((_cube_of(v) for v in coef.inputs if _near(const_scalar(_other(coef, v)), 0.044715)), None)
+        cube = next((_cube_of(v) for v in coef.inputs
+                     if v is not None and _near(const_scalar(_other(coef, v)), 0.044715)), None)
         if cube is not None and cube[0] is x:
             before = [*cube[1], coef, add, scale]
             break
