@@ -1,7 +1,7 @@
 """ORTModule against PyTorch eager: training-step time, first-call overhead, peak RSS.
 
     python tools/bench_ortmodule.py [--models bert,gpt2] [--rounds 5] [--reps 10] [--threads 2]
-                                    [--device cpu|cuda]
+                                    [--device cpu|cuda] [--no-wait]
 
 Models: the peer's BERT-like and GPT-2-like modules (../shared/peer/models_def.py: 4 layers,
 hidden 256, seq 128, batch 8, dropout 0.1 active), each returning its loss; also any model of
@@ -38,7 +38,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import PEER, report_child, run_child, time_steps  # noqa: E402 - tools/ is not a package
+from timing import (  # noqa: E402 - tools/ is not a package
+    PEER,
+    report_child,
+    run_child,
+    time_steps,
+    time_steps_no_wait,
+)
 
 PEERS = ("torch", "ortmodule")
 
@@ -79,7 +85,7 @@ def child(name: str, peer: str, args) -> dict:
     start = time.perf_counter()
     first_loss = step()
     first = time.perf_counter() - start
-    timing = time_steps(step, args.warmup, args.reps)
+    timing = (time_steps_no_wait if args.no_wait else time_steps)(step, args.warmup, args.reps)
     timed = phases[-args.reps:]  # the last attempt's timed calls (a busy machine may be re-measured)
     split = {f"{name}_ms": statistics.median(p[i] for p in timed) * 1e3
              for i, name in enumerate(("forward", "backward", "optimizer"))}
@@ -95,6 +101,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu",
                         help="cpu, or cuda / cuda:N (needs a CUDA torch and onnxruntime-gpu)")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="no wait for a quiet machine nor re-measuring (quick checks on a busy machine)")
     parser.add_argument("--child", choices=PEERS)
     parser.add_argument("--model")
     args = parser.parse_args()
@@ -126,7 +134,7 @@ def main() -> None:
             for peer in PEERS:
                 one[peer] = run_child([sys.executable, __file__, "--child", peer, "--model", name,
                                   f"--threads={args.threads}", f"--reps={args.reps}", f"--warmup={args.warmup}",
-                                  f"--device={args.device}"])
+                                  f"--device={args.device}", *(["--no-wait"] if args.no_wait else [])])
                 if not one[peer].get("ok"):
                     print(f"{name} {peer}: failed: {one[peer].get('error')}")
             rounds.append(one)
