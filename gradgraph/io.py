@@ -68,12 +68,15 @@ def _from_proto(proto: onnx.ModelProto, source: str, folder: Path | None = None)
                             f"{str(root)[:300]}") from exc
 
 
-def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | Any) -> ir.Model:
+def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | Any,
+               lazy: bool = False) -> ir.Model:
     """An ``ir.Model`` from a ModelProto, an ``onnx_ir.Model`` or ``torch.onnx.ONNXProgram``
     (copied, never edited), serialized bytes or a file path.
 
     A missing or malformed file raises :class:`GradientError` naming it; models below
-    opset 13 are converted to opset 13.
+    opset 13 are converted to opset 13. A file's external data stays in its files (read when
+    used, see :mod:`gradgraph.external`) when it holds 1 GiB or more, or with ``lazy`` (for
+    callers that never put the weights into a ModelProto, such as the training build).
     """
     program_model = getattr(model, "model", None)  # torch.onnx.ONNXProgram
     if isinstance(program_model, ir.Model):
@@ -107,7 +110,7 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
             "module, example_args, 'model.onnx', dynamo=True, optimize=False)")
     try:
         proto = onnx.load(str(path), load_external_data=False)
-        if external.check_external_data(proto, path) >= external.EXTERNAL_DATA_THRESHOLD:
+        if external.check_external_data(proto, path) >= (0 if lazy else external.EXTERNAL_DATA_THRESHOLD):
             return _from_proto(proto, f"model file {str(path)!r}", folder=path.parent.resolve())
         onnx.load_external_data_for_model(proto, str(path.parent))
     except GradientError:

@@ -37,11 +37,12 @@ def _write_weight(f, rng: np.random.Generator, rows: int, cols: int, block: int 
         f.write(w.tobytes())
 
 
-def make_model(folder: Path, k: int, n: int, seed: int = 0) -> Path:
-    """model.onnx + model.onnx.data: w1 [k, n] then w2 [n, k], float32."""
+def make_model(folder: Path, k: int, n: int, seed: int = 0, batch: str = "B", stem: str = "model") -> Path:
+    """STEM.onnx + STEM.onnx.data: w1 [k, n] then w2 [n, k], float32; ``batch`` the batch dim."""
+    b = batch
     text = f"""
     <ir_version: 10, opset_import: ["" : 18]>
-    big (float[B, {k}] x, float[B, {k}] y) => (float[B, {k}] pred, float loss) {{
+    big (float[{b}, {k}] x, float[{b}, {k}] y) => (float[{b}, {k}] pred, float loss) {{
       h = MatMul(x, w1)
       a = Tanh(h)
       pred = MatMul(a, w2)
@@ -51,7 +52,7 @@ def make_model(folder: Path, k: int, n: int, seed: int = 0) -> Path:
     }}"""
     proto = onnx.parser.parse_model(text)
     rng = np.random.default_rng(seed)
-    data = folder / "model.onnx.data"
+    data = folder / f"{stem}.onnx.data"
     offset = 0
     with open(data, "wb") as f:
         for name, shape in (("w1", (k, n)), ("w2", (n, k))):
@@ -64,7 +65,7 @@ def make_model(folder: Path, k: int, n: int, seed: int = 0) -> Path:
                 entry.key, entry.value = key, value
             offset += nbytes
             proto.graph.initializer.append(t)
-    path = folder / "model.onnx"
+    path = folder / f"{stem}.onnx"
     path.write_bytes(proto.SerializeToString())
     return path
 
@@ -251,8 +252,16 @@ def _env(**extra: str) -> dict[str, str]:
 
 def test_external_data_paths_small(tmp_path: Path) -> None:
     """The paths of a model over the threshold, on a small model (threshold lowered)."""
-    peaks = end_to_end(tmp_path, 96, 112, _env(GRADGRAPH_EXTERNAL_DATA_THRESHOLD="10000"))
+    env = _env(GRADGRAPH_EXTERNAL_DATA_THRESHOLD="10000")
+    peaks = end_to_end(tmp_path, 96, 112, env)
     assert set(peaks) >= {"grad", "build", "train", "train --resume"}
+    # a fixed batch made dynamic for another --batch-size (make_batch_dynamic's IR path)
+    fixed = make_model(tmp_path, 96, 112, batch="2", stem="fixed")
+    out, _ = _run(["train", str(fixed), "--loss", "loss", "--data", str(tmp_path / "data.npz"), "--optimizer",
+                   "sgd", "--steps", "1", "--batch-size", "1", "--checkpoint-dir", str(tmp_path / "fixed_ck"),
+                   "--quiet"], env, tmp_path)
+    assert "making its batch dimension dynamic" in out
+    assert (tmp_path / "fixed_ck" / "inference.onnx.data").is_file()
 
 
 @pytest.mark.slow

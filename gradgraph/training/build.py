@@ -400,7 +400,7 @@ def build_training_artifacts(model: onnx.ModelProto | ir.Model | str | os.PathLi
     folder that exists, the stage files of an earlier build (``NN_<name>.onnx``) are replaced
     by this build's (ones it does not write are removed) and other files are left alone.
     """
-    source = load_model(model)
+    source = load_model(model, lazy=True)  # external data read once, into the session's buffers
     wanted = _check_config(config, source)
     save_dir = save_stages if save_stages is not None else config.debug.save_stages
     trained_set = TrainedSetPass(set(config.weights_not_to_train), config.names.out_suffix)
