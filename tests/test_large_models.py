@@ -232,7 +232,7 @@ model, data, out, rows = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 feeds = dict(np.load(data))
 session = TrainingSession(model, TrainingConfig("loss", SGDConfig()), providers=["CPUExecutionProvider"])
 session.train_step(feeds, lr={LR})
-state = session.get_state()
+state = session.get_state_views()  # no copy of the state: the peak is the session's
 np.savez(out, w1=state["w1"][:rows], w2=state["w2"][:rows])
 """
 
