@@ -490,7 +490,7 @@ CLI_CASES = {
     "extra array": (lambda p: _data(p, junk=np.zeros(3)), [], "unexpected ['junk']"),
     "zero rows": (lambda p: _data(p, rows=0), [], "holds no rows"),
     "labels out of range": (lambda p: _data(p, labels=np.full(ROWS, 9, np.int64)), [],
-                            "Out of range value in index tensor"),
+                            "must be in [0, 4) (torch raises IndexError)"),
     "batch-size 0": (_data, ["--batch-size", "0"], "--batch-size must be a positive integer"),
     "accumulate 0": (_data, ["--accumulate", "0"], "--accumulate must be a positive integer"),
     "steps -5": (_data, ["--steps", "-5"], "--steps must be a positive integer"),
@@ -700,13 +700,13 @@ def test_a_misspelled_parameter_group_override_is_named() -> None:
 
 def test_onnxruntime_does_not_log_its_own_error_line(tmp_path: Path) -> None:
     """Labels out of range: onnxruntime's "[E:onnxruntime:...]" log line is not printed
-    before gradgraph's one-line error (sessions log fatal messages only by default)."""
+    before gradgraph's one-line error (the labels are refused at load, naming the range)."""
     data = _data(tmp_path / "data.npz", labels=np.full(ROWS, 9, np.int64))
     result = subprocess.run([sys.executable, "-m", "gradgraph", *_train_args(data)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     _one_line_error(result.stderr, "train")
-    assert "Out of range value in index tensor" in result.stderr
+    assert "must be in [0, 4) (torch raises IndexError)" in result.stderr
     assert "onnxruntime:" not in result.stderr.split("error:", 1)[0]
 
 
