@@ -192,7 +192,10 @@ class TrainingSession:
         with atomic_output_path(optimized) as written_by_ort:
             self._train = GraphRunner(art.train, *_with_optimized_path(args, written_by_ort))
         self._accumulate = GraphRunner(art.accumulate, *args) if art.accumulate is not None else None
-        self._eval = GraphRunner(art.eval, *args)
+        # The eval graph's session is made at the first eval_step: a training run that never
+        # evaluates skips its onnxruntime session (half of the sessions' setup time).
+        self._eval_args = args
+        self._eval_runner: GraphRunner | None = None
         self._indices = IndexCheck(art.train, art.eval)  # torch's IndexError, before onnxruntime runs
         self.micro_step = 0
         self.learning_rate: float | None = None
@@ -390,6 +393,12 @@ class TrainingSession:
         names = list(output_names or [self.config.loss])
         _, out = self.train_step(input_feed, fetches=names)
         return [out[n] for n in names]
+
+    @property
+    def _eval(self) -> GraphRunner:
+        if self._eval_runner is None:
+            self._eval_runner = GraphRunner(self.artifacts.eval, *self._eval_args)
+        return self._eval_runner
 
     def eval_step(self, feeds: Mapping[str, Any], fetches: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run the eval graph (Dropout off, BatchNorm inference) on the current weights."""
