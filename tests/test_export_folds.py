@@ -379,6 +379,10 @@ def test_a_refusal_names_a_few_parameters_and_counts_the_rest(tmp_path: Path, ca
     assert cli_main(train) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"and {8 - SHOWN} more" in err
+    # --verbose adds one line with every name
+    assert cli_main(train + ["--verbose"]) == 2
+    verbose = capsys.readouterr().err.splitlines()
+    assert len(verbose) == 2 and verbose[1].endswith(", ".join(raised.value.parameters))  # type: ignore[attr-defined]
     assert cli_main(train + ["--list-weights"]) == 0
     out = capsys.readouterr().out
     assert all(n in out for n in names) and "not in the export" in out

@@ -625,7 +625,8 @@ def test_every_build_flag_has_a_case() -> None:
     flags = {s for a in sub.choices["build"]._actions for s in a.option_strings if s.startswith("--")}
     covered = {f[0] for f in BUILD_FLAGS + BUILD_REFUSED} | {
         "--help", "--save-stages",  # every case writes its stages there
-        "--list-weights"}  # test_build_list_weights_prints_the_weights
+        "--list-weights",  # test_build_list_weights_prints_the_weights
+        "--verbose"}  # tests/test_export_folds.py::test_a_refusal_names_a_few_parameters_and_counts_the_rest
     assert flags == covered
 
 
@@ -778,7 +779,7 @@ def test_every_train_flag_has_a_case() -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     flags = {s for a in sub.choices["train"]._actions for s in a.option_strings if s.startswith("--")}
     covered = {f[0] for f in TRAIN_FLAGS + TRAIN_REFUSED} | {
-        "--help", "--list-weights",  # as build's (the same function)
+        "--help", "--list-weights", "--verbose",  # as build's (the same function)
         "--save-stages",  # the graph-transform cases compare the stage models it writes
         "--checkpoint-dir", "--checkpoint-every", "--resume", "--overwrite", "--max-skipped",
         # test_train_checkpoint_flags

@@ -56,6 +56,10 @@ def run_command(args: argparse.Namespace) -> int:
 
         if not quiet:
             print(f"gradgraph {args.command}: error: {exc}", file=sys.stderr)
+            every = getattr(exc, "parameters", ())
+            if every and getattr(args, "verbose", False):  # the message names the first few
+                print(f"gradgraph {args.command}: all {len(every)} parameters: "
+                      f"{', '.join(every)}", file=sys.stderr)
         elif not isinstance(exc, DistributedError):
             print(f"gradgraph {args.command}: error: rank {rank}: {exc}", file=sys.stderr)
         status = EXIT_USER_ERROR
@@ -137,8 +141,11 @@ def eps_kwargs(args: argparse.Namespace) -> dict[str, float]:
 
 
 def add_list_weights(parser: argparse.ArgumentParser) -> None:
+    """The flags every sub-command has for saying more: --list-weights and --verbose."""
     parser.add_argument("--list-weights", action="store_true",
                         help="print every float initializer, whether it is trained and why; then exit")
+    parser.add_argument("--verbose", action="store_true",
+                        help="an error that names a few of many parameters lists all of them")
 
 
 def main_for(add_parser: object, argv: list[str] | None) -> int:
