@@ -22,6 +22,10 @@ import numpy as np
 from gradgraph.io import atomic_writer
 from passes.autodiff import GradientError
 
+# The state key of the accumulation counter (a session's state and its checkpoints); it lives here,
+# below both the session and the data-parallel runner, which read it.
+MICRO_STEP_KEY = "micro_step"
+
 FORMAT = "gradgraph-checkpoint"
 VERSION = 1
 _META_KEY = "gradgraph"

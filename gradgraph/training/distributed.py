@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from gradgraph.training.checkpoint import MICRO_STEP_KEY, CheckpointError
 from gradgraph.training.rank_agreement import feed_shapes, first_difference, session_configuration
 from passes.autodiff import GradientError
 
@@ -350,7 +351,6 @@ class DataParallelRunner:
         Mid-accumulation, the micro-steps since are not saved (each rank's partial sums are its
         own and would not survive a change of world size): ``micro_step`` 0, so a resumed run
         redoes them. With accumulation, zero buffers: a one-process session's layout."""
-        from gradgraph.training.session import MICRO_STEP_KEY
 
         session = self.session
         state = {MICRO_STEP_KEY: np.array(0, np.int64)}
@@ -363,17 +363,14 @@ class DataParallelRunner:
         """A (merged) checkpoint's tensors this rank holds: other ranks' ZeRO-1 partitions left
         out (this rank's must all be there); the accumulation restarts."""
         self.accumulated = None
-        from gradgraph.training.session import MICRO_STEP_KEY
 
         if int(np.asarray(tensors.get(MICRO_STEP_KEY, 0)).reshape(-1)[0]) != 0:
-            from gradgraph.training.checkpoint import CheckpointError
 
             raise CheckpointError("the checkpoint was saved mid-accumulation by one process; a "
                                   "data-parallel run resumes from an optimizer step (save there)")
         held = set(self.session.store.names()) | {MICRO_STEP_KEY}
         missing = sorted(held - set(tensors))
         if missing:
-            from gradgraph.training.checkpoint import CheckpointError
 
             raise CheckpointError(f"the checkpoint lacks {missing[:4]} that rank {self.config.rank} "
                                   "holds (pass the checkpoints of every rank of the run)")

@@ -42,7 +42,12 @@ from gradgraph.training.build import (
     inference_ir,
     inference_model,
 )
-from gradgraph.training.checkpoint import CheckpointError, read_checkpoints, write_checkpoint
+from gradgraph.training.checkpoint import (  # MICRO_STEP_KEY re-exported: its public path
+    MICRO_STEP_KEY,
+    CheckpointError,
+    read_checkpoints,
+    write_checkpoint,
+)
 from gradgraph.training.distributed import DataParallelRunner, DistributedConfig
 from gradgraph.training.ort_state import (
     GraphRunner,
@@ -54,7 +59,6 @@ from gradgraph.training.parameters import TrainingParameters
 from gradgraph.training.precision_warning import warn_if_emulated
 from passes.autodiff import GradientError
 
-MICRO_STEP_KEY = "micro_step"
 _DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 # What onnxruntime raises when a graph fails on the values fed (an index out of range...).
 _RUN_ERRORS = (RuntimeError, ort_errors.Fail, ort_errors.InvalidArgument, ort_errors.RuntimeException)
