@@ -112,7 +112,7 @@ def main() -> None:
     if not (PEER / "models_def.py").exists():
         sys.exit(f"peer material not found at {PEER} (set GRADGRAPH_PEER_DIR)")
     bench_training = str(Path(__file__).resolve().parent / "bench_training.py")
-    common = [f"--threads={args.threads}", "--provider=cpu"]
+    common = [f"--threads={args.threads}", "--provider=cpu", *(["--no-wait"] if args.no_wait else [])]
     on_cpu = args.device == "cpu"
     # the GEMM bound is measured for the CPU only
     gemm = run_child([sys.executable, bench_training, "--child", "gemm", *common]) if on_cpu else {}
