@@ -586,3 +586,21 @@ def test_random_ops_repeat_under_torch_manual_seed(how):
     _close(runs[0], runs[2], "seed 1 twice")
     _close(runs[1], runs[3], "seed 2 twice")
     assert not torch.allclose(runs[0], runs[1]), "two seeds, one draw"
+
+
+# ---- 8. norms and distances at zero (gradient rules' edge points: issue 35) -------------------
+@pytest.mark.xfail(strict=True, reason="Sqrt / ReduceL2's gradient at 0 is NaN where torch's "
+                   "cdist and norm give 0: the edge-point audit of the gradient rules (issue 35)")
+def test_cdist_and_norm_at_zero_give_torchs_finite_gradients():
+    class Distances(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            z = self.lin(x)  # cdist(z, z) has a zero diagonal; z - z[:1] a zero row
+            return torch.cdist(z, z).sum() + torch.norm(z - z[:1], dim=-1).sum()
+
+    torch.manual_seed(0)
+    mine, ref = _pair(Distances())
+    assert not _step(mine, ref, torch.randn(5, 4))
