@@ -10,9 +10,9 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes import Sequential
 
-from gradgraph.compat import for_runtime
 from gradgraph.io import atomic_write_bytes, load_model, model_proto
 from gradgraph.pipeline import Pipeline, Stage
+from gradgraph.runtime.compat import for_runtime
 from gradgraph.validate import check_names, unknown_names
 from passes.autodiff import GradientError, GradientOptions
 from passes.autodiff.gradient_pass import GradientPass
@@ -62,7 +62,7 @@ def build_gradient_graph(
     ``target_ir_version``/``max_opset`` make the result loadable by an older runtime
     (onnxruntime 1.19, the last onnxruntime-training, reads IR <= 10 and opset <= 21): the
     forward model is converted down to ``max_opset`` first, so the gradient rules emit ops
-    valid there, and the result's IR version is lowered (see :func:`gradgraph.compat.for_runtime`).
+    valid there, and the result's IR version is lowered (see :func:`gradgraph.runtime.compat.for_runtime`).
 
     ``as_ir``: return the ``onnx_ir.Model`` instead (tensors of a model over 1 GiB stay in
     their external data files; save it with :func:`gradgraph.io.save_model`).

@@ -38,8 +38,8 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from gradgraph import external
 from gradgraph.io import load_model, model_proto
+from gradgraph.runtime import external
 from passes.autodiff.errors import GradientError, unwrap_pass_errors
 from passes.batching import BATCH_ERROR, DynamicBatchPass, batch_error, select_batch_inputs
 from passes.cleanup import RANDOM_OPS

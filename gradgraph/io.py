@@ -24,9 +24,9 @@ import onnx
 import onnx_ir as ir
 from onnx import version_converter
 
-from gradgraph import external
-from gradgraph.compat import proto_graphs
 from gradgraph.model_check import check_model_proto
+from gradgraph.runtime import external
+from gradgraph.runtime.compat import proto_graphs
 from passes.autodiff import GradientError
 
 MIN_OPSET = 13
@@ -51,7 +51,7 @@ def _upgrade(proto: onnx.ModelProto, source: str, external_ok: bool = False) -> 
 
 def _from_proto(proto: onnx.ModelProto, source: str, folder: Path | None = None) -> ir.Model:
     """The checked, upgraded IR of ``proto``; ``folder``: its external data (checked by the
-    caller) stays in the files there, read when used (see :mod:`gradgraph.external`)."""
+    caller) stays in the files there, read when used (see :mod:`gradgraph.runtime.external`)."""
     try:
         if folder is None:
             return ir.from_proto(_upgrade(proto, source))
@@ -75,7 +75,7 @@ def load_model(model: onnx.ModelProto | ir.Model | str | os.PathLike | bytes | A
 
     A missing or malformed file raises :class:`GradientError` naming it; models below
     opset 13 are converted to opset 13. A file's external data stays in its files (read when
-    used, see :mod:`gradgraph.external`) when it holds 1 GiB or more, or with ``lazy`` (for
+    used, see :mod:`gradgraph.runtime.external`) when it holds 1 GiB or more, or with ``lazy`` (for
     callers that never put the weights into a ModelProto, such as the training build).
     """
     program_model = getattr(model, "model", None)  # torch.onnx.ONNXProgram
@@ -314,7 +314,7 @@ def _proto_tensor_bytes(proto: onnx.ModelProto) -> int:
 
 def save_model(model: onnx.ModelProto | ir.Model, path: str | os.PathLike) -> None:
     """Save a model atomically: one file with the weights inline, or, for a model whose tensors
-    hold :data:`gradgraph.external.EXTERNAL_DATA_THRESHOLD` bytes or more (1 GiB; protobuf
+    hold :data:`gradgraph.runtime.external.EXTERNAL_DATA_THRESHOLD` bytes or more (1 GiB; protobuf
     cannot write 2 GiB), ``path`` plus ``<path name>.data`` with every tensor of 1 KiB or more,
     streamed tensor by tensor (no ModelProto holds them). Each file is renamed into place
     once complete, the data file first."""

@@ -19,7 +19,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from gradgraph.compat import ORT_1_19_MAX_IR_VERSION, ORT_1_19_MAX_OPSET, default_opset
+from gradgraph.runtime.compat import ORT_1_19_MAX_IR_VERSION, ORT_1_19_MAX_OPSET, default_opset
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tools" / "ort_training_worker.py"

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, parser
 
-from gradgraph.kernels import kernel_predicate
+from gradgraph.runtime.kernels import kernel_predicate
 from passes.precision import CastPropagationPass, MixedPrecisionPass, Strategy
 from passes.precision.policy import allowed_ops
 

@@ -1,4 +1,4 @@
-"""gradgraph.compat.for_runtime and the target_ir_version/max_opset options (no reference venv needed)."""
+"""gradgraph.runtime.compat.for_runtime and the target_ir_version/max_opset options (no reference venv needed)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from gradgraph import GradientError, build_gradient_graph
-from gradgraph.compat import default_opset, for_runtime
+from gradgraph.runtime.compat import default_opset, for_runtime
 
 MLP_23 = """<ir_version: 11, opset_import: ["" : 23]>
 g (float[2,4] x, int64[2] y) => (float loss)
@@ -82,7 +82,7 @@ def test_inference_session_lowers_an_ir_version_newer_than_the_runtime() -> None
     lowered to the maximum onnxruntime names in its refusal."""
     from onnx import TensorProto, helper
 
-    from gradgraph.compat import inference_session
+    from gradgraph.runtime.compat import inference_session
 
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],

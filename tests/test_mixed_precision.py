@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from onnx import TensorProto, numpy_helper, parser
 
 import gradgraph
-from gradgraph.kernels import kernel_predicate, probe_model
+from gradgraph.runtime.kernels import kernel_predicate, probe_model
 from passes.precision import MixedPrecisionOptions, MixedPrecisionPass
 from passes.precision.policy import LOSS_OPS, Precision, precision_of
 
@@ -324,7 +324,7 @@ def test_training_probe_needs_the_gradient_kernels_too() -> None:
     """onnxruntime's CPU provider runs Gather in fp16 but not a ScatterND(add) in fp16: the
     gradient's scatter accumulates in float32 (passes/autodiff/builder.py), so the training
     probe, which runs the gradient too, says yes; MaxPool has no fp16 CPU kernel at all."""
-    from gradgraph.kernels import kernel_predicate, training_kernel_predicate
+    from gradgraph.runtime.kernels import kernel_predicate, training_kernel_predicate
 
     forward = kernel_predicate(["CPUExecutionProvider"])
     training = training_kernel_predicate(["CPUExecutionProvider"])

@@ -29,7 +29,12 @@ import ort_reference as ortref
 import pytest
 
 from gradgraph import build_gradient_graph
-from gradgraph.compat import ORT_1_19_MAX_IR_VERSION, ORT_1_19_MAX_OPSET, default_opset, for_runtime
+from gradgraph.runtime.compat import (
+    ORT_1_19_MAX_IR_VERSION,
+    ORT_1_19_MAX_OPSET,
+    default_opset,
+    for_runtime,
+)
 from passes.autodiff.registry import lookup
 
 # The shared fixture, bound here so that pytest finds it for this module.

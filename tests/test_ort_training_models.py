@@ -40,7 +40,7 @@ import model_zoo as zoo  # noqa: E402 - imports torch
 import ort_reference as ortref  # noqa: E402
 
 from gradgraph import build_gradient_graph  # noqa: E402
-from gradgraph.compat import (  # noqa: E402
+from gradgraph.runtime.compat import (  # noqa: E402
     ORT_1_19_MAX_IR_VERSION,
     ORT_1_19_MAX_OPSET,
     for_runtime,

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from pass_harness import assert_pass_preserves
 
-from gradgraph.kernels import training_kernel_predicate
+from gradgraph.runtime.kernels import training_kernel_predicate
 from passes.cleanup import CleanupPass
 from passes.precision import (
     CastPropagationPass,

@@ -1,4 +1,4 @@
-"""The vectorized pooling kernels of the check's reference oracle (gradgraph.reference_kernels)
+"""The vectorized pooling kernels of the check's reference oracle (gradgraph.runtime.reference_kernels)
 against onnxruntime's float32 pooling, on random geometries: kernel sizes, strides,
 dilations, explicit/SAME/VALID pads, ceil mode, count_include_pad, p."""
 
@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from gradgraph.reference_kernels import REFERENCE_OVERRIDES
+from gradgraph.runtime.reference_kernels import REFERENCE_OVERRIDES
 
 
 def _random_pool(rng: np.random.Generator) -> tuple[str, list[int], dict]:

@@ -428,7 +428,7 @@ def test_tanh_gelu_gradient_is_finite_in_float16(domain: str) -> None:
     in float16, node by node as a float16 GPU kernel would: finite for any finite x, equal to
     the float64 formula where x is moderate and to its limits 0 / 1 far out. Unclipped, x^2
     overflowed from 256 and 0 * inf made it NaN from x ~ -86."""
-    from gradgraph.reference_kernels import REFERENCE_OVERRIDES
+    from gradgraph.runtime.reference_kernels import REFERENCE_OVERRIDES
     node = (helper.make_node("FastGelu", ["x"], ["y"], domain=domain) if domain
             else helper.make_node("Gelu", ["x"], ["y"], approximate="tanh"))
     graph = helper.make_graph([node, helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "g",

@@ -181,7 +181,7 @@ def main() -> None:
         rows[worker] = json.loads(result.stdout.strip().splitlines()[-1])
     import onnx
 
-    from gradgraph.external import check_external_data
+    from gradgraph.runtime.external import check_external_data
 
     path = out / "model.onnx"
     weights = check_external_data(onnx.load(str(path), load_external_data=False), path)

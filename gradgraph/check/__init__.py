@@ -109,7 +109,7 @@ from gradgraph.check.report import (
 from gradgraph.feeds import NP_OF_ORT, InputError, check_feeds, unshaped_inputs
 from gradgraph.index_inputs import IndexCheck
 from gradgraph.io import load_model
-from gradgraph.reference_kernels import REFERENCE_OVERRIDES
+from gradgraph.runtime.reference_kernels import REFERENCE_OVERRIDES
 from passes.autodiff import GradientError
 from passes.forward.prepare import PrepareForGradientPass
 from passes.forward.reduce_loss import ReduceLossPass

@@ -23,7 +23,7 @@ from gradgraph.check.report import (
     ORACLE_FLOAT64_ORT,
     ORACLE_FLOAT64_REFERENCE,
 )
-from gradgraph.reference_kernels import REFERENCE_OVERRIDES
+from gradgraph.runtime.reference_kernels import REFERENCE_OVERRIDES
 from passes.autodiff import GradientError
 from passes.forward.to_double import ToDoublePass
 

@@ -6,8 +6,8 @@ import argparse
 
 from gradgraph import check as checking
 from gradgraph.cli.common import add_list_weights, fit_batch, list_weights, main_for, weights_arg
-from gradgraph.external import EXTERNAL_DATA_THRESHOLD, is_large_file
 from gradgraph.feeds import InputError, load_npz
+from gradgraph.runtime.external import EXTERNAL_DATA_THRESHOLD, is_large_file
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

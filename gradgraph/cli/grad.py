@@ -30,8 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from gradgraph.api import build_gradient_graph
-    from gradgraph.external import is_large
     from gradgraph.io import save_model
+    from gradgraph.runtime.external import is_large
 
     if args.list_weights:
         return list_weights(args)

@@ -15,8 +15,8 @@ import onnxruntime as ort
 import onnxscript.optimizer
 import torch
 
-from gradgraph.compat import inference_session
 from gradgraph.dropout_noise import DropoutNoise
+from gradgraph.runtime.compat import inference_session
 from gradgraph.torch.export import ExportedCall, ExportFailed
 from gradgraph.torch.runner import GraphRunner, _to_torch, device_rewrites, make_session
 from gradgraph.torch.signature import _named_tensors

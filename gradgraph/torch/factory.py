@@ -23,8 +23,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
-from gradgraph.compat import inference_session, provider_names
 from gradgraph.io import load_model
+from gradgraph.runtime.compat import inference_session, provider_names
 from gradgraph.torch.ortmodule import (
     GraphRunner,
     _to_ort,

@@ -20,7 +20,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
-from gradgraph.compat import inference_session
+from gradgraph.runtime.compat import inference_session
 from gradgraph.training.ort_state import release_free_memory
 from passes.autodiff import GradientOptions
 from passes.autodiff.engine import FLOAT_TYPES

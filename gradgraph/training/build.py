@@ -48,9 +48,9 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnx_ir.passes import InPlacePass, PassBase, PassResult
 
-from gradgraph.compat import provider_names
 from gradgraph.io import load_model, model_proto, staged_folder
 from gradgraph.pipeline import Pipeline, Stage, StageReport, is_stage_file
+from gradgraph.runtime.compat import provider_names
 from gradgraph.training.options import TrainingConfig
 from gradgraph.validate import check_names, close_matches, unknown_names
 from passes.autodiff import GradientError, GradientOptions
@@ -175,7 +175,7 @@ class FinishPass(InPlacePass):
 
 def kernel_support(providers: Sequence[Any] | None, dtype: str) -> Any:
     """Which (op, domain, dtype) the session's providers run, forward and gradient (see
-    :class:`gradgraph.kernels.TrainingKernelProbe`): the precision passes keep the others in
+    :class:`gradgraph.runtime.kernels.TrainingKernelProbe`): the precision passes keep the others in
     fp32 (``None``: assume all, as on a GPU build).
 
     onnxruntime's CPU provider has bf16 kernels for a handful of forward ops and none for the
@@ -191,7 +191,7 @@ def kernel_support(providers: Sequence[Any] | None, dtype: str) -> Any:
         return None  # none can be probed here (graphs made for CUDA on a CPU machine): assume all
     if dtype == "bfloat16" and names[0] == "CPUExecutionProvider":
         return lambda op_type, domain, value_type: False
-    from gradgraph.kernels import training_kernel_predicate
+    from gradgraph.runtime.kernels import training_kernel_predicate
 
     return training_kernel_predicate(names)
 

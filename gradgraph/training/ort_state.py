@@ -22,8 +22,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from gradgraph.compat import inference_session
 from gradgraph.feeds import NP_OF_ORT, check_feeds, unshaped_inputs
+from gradgraph.runtime.compat import inference_session
 from passes.marks import STAGE_KEY, Role
 from passes.optimizer.optimizer_pass import VALID_IF_KEY, TrainingNames
 from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS

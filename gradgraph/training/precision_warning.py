@@ -1,7 +1,7 @@
 """A warning when mixed precision computes nothing in the low precision on the chosen device.
 
 The precision passes convert the ops whose kernels the session's providers load in fp16/bf16
-(:mod:`gradgraph.kernels`). onnxruntime's CPU provider loads many of them only by running them
+(:mod:`gradgraph.runtime.kernels`). onnxruntime's CPU provider loads many of them only by running them
 in float32 behind casts it inserts itself, and then drops the Cast pairs that meet: fp16
 training on the CPU gave a loss and an update bit-identical to fp32 with nothing said (bf16 is
 emulated by rounding, see :func:`gradgraph.training.build.kernel_support`). Here each op type
@@ -22,7 +22,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from gradgraph.kernels import probe_model
+from gradgraph.runtime.kernels import probe_model
 
 _LOW = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
 _SHAPELESS = ("Cast", "CastLike", "Identity", "Constant", "Reshape", "Shape", "Squeeze",

@@ -31,10 +31,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
-from gradgraph.external import drop_resident
 from gradgraph.feeds import InputError
 from gradgraph.index_inputs import IndexCheck
 from gradgraph.io import atomic_output_path, save_model
+from gradgraph.runtime.external import drop_resident
 from gradgraph.training.build import (
     TrainingArtifacts,
     TrainingConfig,

@@ -29,7 +29,7 @@ A converted node's consumers outside the region read a ``Cast->fp32``; graph out
 their name and dtype. Every node converts at most once, so the loop ends. Casts from
 non-float types (bool) are never touched.
 
-Kernels: with ``supported`` (see :func:`gradgraph.kernels.kernel_predicate`), an allowed op the
+Kernels: with ``supported`` (see :func:`gradgraph.runtime.kernels.kernel_predicate`), an allowed op the
 predicate rejects in the low type is treated as not allowed: it keeps its fp32 computation (the
 original numerics; nothing to emulate, cast propagation only moves existing precision
 boundaries), and is counted in ``rejected`` after the call.

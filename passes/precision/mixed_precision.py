@@ -20,7 +20,7 @@ topological order over the main graph:
    fp32; integer and bool values are never touched;
 6. graph outputs keep their name and original dtype (a ``Cast->fp32`` produces them).
 
-*Emulated* ops: with ``supported`` (see :func:`gradgraph.kernels.kernel_predicate`), an op to
+*Emulated* ops: with ``supported`` (see :func:`gradgraph.runtime.kernels.kernel_predicate`), an op to
 run in the low type that the predicate rejects runs in fp32 on its inputs rounded to the low
 type (``Cast x->low->fp32``), and its output is rounded (``Cast->low``) for its consumers: the
 numerics are those of low-precision storage, the kernels fp32 ones. ``emulated`` counts them

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from gradgraph.compat import proto_graphs
+from gradgraph.runtime.compat import proto_graphs
 from passes.autodiff import GradientError
 
 # Models whose tensors hold at least this many bytes (1 GiB) are loaded lazily, saved with
@@ -222,7 +222,7 @@ def inference_session(model: ir.Model, options: Any = None, **kwargs: Any) -> An
     injected initializers. The session keeps their OrtValues alive."""
     import onnxruntime as ort
 
-    from gradgraph.compat import inference_session as session_of
+    from gradgraph.runtime.compat import inference_session as session_of
 
     proto, names, arrays = session_parts(model)
     options = options if options is not None else ort.SessionOptions()
