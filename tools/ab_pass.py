@@ -45,6 +45,27 @@ def _pass_class(path: str) -> type:
     return cls
 
 
+def interleave(name: str, with_session, without, feeds, args) -> None:
+    """Warm both sessions, time ``args.pairs`` steps of each in alternating order, and print the
+    medians and the median of the per-pair ratios (shared with tools/ab_rule.py)."""
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    sessions = {"with": with_session, "without": without}
+    for session in sessions.values():
+        for _ in range(args.warmup):
+            session.train_step(feeds, lr=bench_training.LR)
+    for i in range(args.pairs):
+        order = ("with", "without") if i % 2 == 0 else ("without", "with")
+        for key in order:
+            start = time.perf_counter()
+            sessions[key].train_step(feeds, lr=bench_training.LR)
+            times[key].append(time.perf_counter() - start)
+    ratios = [a / b for a, b in zip(times["with"], times["without"], strict=True)]
+    print(f"{name}: with {1e3 * statistics.median(times['with']):.1f} ms, without "
+          f"{1e3 * statistics.median(times['without']):.1f} ms; ratio with / without "
+          f"{statistics.median(ratios):.3f} (min-max {min(ratios):.3f}-{max(ratios):.3f}, "
+          f"{args.pairs} pairs)", flush=True)
+
+
 def measure(name: str, out_dir: str, cls: type, args) -> None:
     import onnxruntime as ort
     from onnx_ir.passes import PassResult
@@ -73,22 +94,7 @@ def measure(name: str, out_dir: str, cls: type, args) -> None:
         without, _, _, _ = bench_training._gradgraph_session(name, out_dir, args, opts)
     finally:
         cls.call = original  # type: ignore[method-assign]
-    times: dict[str, list[float]] = {"with": [], "without": []}
-    sessions = {"with": with_pass, "without": without}
-    for session in sessions.values():
-        for _ in range(args.warmup):
-            session.train_step(feeds, lr=bench_training.LR)
-    for i in range(args.pairs):
-        order = ("with", "without") if i % 2 == 0 else ("without", "with")
-        for key in order:
-            start = time.perf_counter()
-            sessions[key].train_step(feeds, lr=bench_training.LR)
-            times[key].append(time.perf_counter() - start)
-    ratios = [a / b for a, b in zip(times["with"], times["without"], strict=True)]
-    print(f"{name}: with {1e3 * statistics.median(times['with']):.1f} ms, without "
-          f"{1e3 * statistics.median(times['without']):.1f} ms; ratio with / without "
-          f"{statistics.median(ratios):.3f} (min-max {min(ratios):.3f}-{max(ratios):.3f}, "
-          f"{args.pairs} pairs)", flush=True)
+    interleave(name, with_pass, without, feeds, args)
 
 
 def main() -> None:

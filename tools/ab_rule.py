@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_training  # noqa: E402 - tools/ is not a package
+from ab_pass import interleave  # noqa: E402
 from timing import run_child  # noqa: E402
 
 
@@ -54,22 +53,7 @@ def measure(name: str, out_dir: str, module: object, attr: str, args) -> None:
     if len(with_form.artifacts.train.graph.node) == len(without.artifacts.train.graph.node):
         print(f"WARNING: {name}: both training graphs have the same node count: {attr} may not apply",
               flush=True)
-    sessions = {"with": with_form, "without": without}
-    times: dict[str, list[float]] = {key: [] for key in sessions}
-    for session in sessions.values():
-        for _ in range(args.warmup):
-            session.train_step(feeds, lr=bench_training.LR)
-    for i in range(args.pairs):
-        for key in (("with", "without") if i % 2 == 0 else ("without", "with")):
-            start = time.perf_counter()
-            sessions[key].train_step(feeds, lr=bench_training.LR)
-            times[key].append(time.perf_counter() - start)
-    ratios = [a / b for a, b in zip(times["with"], times["without"], strict=True)]
-    print(f"{name}: with {1e3 * statistics.median(times['with']):.1f} ms, without "
-          f"{1e3 * statistics.median(times['without']):.1f} ms; ratio with / without "
-          f"{statistics.median(ratios):.3f} (min-max {min(ratios):.3f}-{max(ratios):.3f}, "
-          f"{args.pairs} pairs)", flush=True)
-
+    interleave(name, with_form, without, feeds, args)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
