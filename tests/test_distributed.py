@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.ranks import launch
+
 pytest.importorskip("torch")
 
 WORKER = Path(__file__).with_name("dp_worker.py")
@@ -25,35 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS, BATCH = 10, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(world: int, out: Path, args: list[str], timeout: float = 180.0) -> list[subprocess.CompletedProcess]:
     """Run ``world`` ranks of the worker; kill them all if any exceeds ``timeout``."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    return launch([[sys.executable, str(WORKER), str(out), *args]] * world, timeout)
 
 
 def _train(tmp: Path, world: int, accumulate: int, zero: int, post: int) -> tuple[dict, dict]:

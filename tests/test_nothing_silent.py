@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ from gradgraph.training.options import TrainingConfig
 from gradgraph.training.session import TrainingSession
 from passes.autodiff import GradientError
 from passes.optimizer import SGDConfig
+from tests.ranks import launch
 
 torch = pytest.importorskip("torch")
 
@@ -238,37 +237,14 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "gradgraph" / "examples"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _two_ranks(tmp_path: Path, differs: list[str], timeout: float = 100.0) -> list[subprocess.CompletedProcess]:
     """Rank 0 and rank 1 of `gradgraph train` started by hand (as torchrun would), rank 1 with
     ``differs`` appended to its command line (argparse: the last value of a flag wins)."""
-    port = _free_port()
     base = [sys.executable, "-m", "gradgraph", "train", str(EXAMPLES / "mlp.onnx"), "--loss", "loss",
             "--data", str(EXAMPLES / "mlp_data.npz"), "--optimizer", "sgd", "--lr", "0.05",
             "--steps", "3", "--batch-size", "8", "--quiet"]
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        command = base + (differs if rank else []) + ["--checkpoint-dir", str(tmp_path / f"r{rank}")]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline, results = time.monotonic() + timeout, []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    return launch([base + (differs if rank else []) + ["--checkpoint-dir", str(tmp_path / f"r{rank}")]
+                   for rank in range(2)], timeout)
 
 
 @pytest.mark.parametrize(("differs", "named"), [

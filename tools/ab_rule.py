@@ -55,6 +55,7 @@ def measure(name: str, out_dir: str, module: object, attr: str, args) -> None:
               flush=True)
     interleave(name, with_form, without, feeds, args)
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("function", metavar="FUNCTION")
