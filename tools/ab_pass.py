@@ -97,10 +97,12 @@ def measure(name: str, out_dir: str, cls: type, args) -> None:
     interleave(name, with_pass, without, feeds, args)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pass_path", metavar="PASS")
-    parser.add_argument("--models", default="bert,gpt2,mlp")
+def run_ab(doc: str | None, metavar: str, default_models: str, resolve, measure_one) -> None:
+    """The command line both A/B tools share: ``resolve(TARGET)``, then per model an export in a
+    child process and ``measure_one(model, out_dir, resolved, args)`` (also tools/ab_rule.py)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", metavar=metavar)
+    parser.add_argument("--models", default=default_models)
     parser.add_argument("--pairs", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -108,7 +110,7 @@ def main() -> None:
     args.provider = "cpu"
     if args.pairs < 1 or args.warmup < 0 or args.threads < 1:
         raise SystemExit("--pairs and --threads must be >= 1, --warmup >= 0")
-    cls = _pass_class(args.pass_path)
+    resolved = resolve(args.target)
     with tempfile.TemporaryDirectory(prefix="gradgraph_ab_") as out_dir:
         for name in args.models.split(","):
             if name not in MODELS:
@@ -118,7 +120,11 @@ def main() -> None:
                                 "--child", "export", "--model", name, "--dir", out_dir])
             if not export.get("ok"):
                 raise SystemExit(f"{name}: export failed: {export.get('error')}")
-            measure(name, out_dir, cls, args)
+            measure_one(name, out_dir, resolved, args)
+
+
+def main() -> None:
+    run_ab(__doc__, "PASS", "bert,gpt2,mlp", _pass_class, measure)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,13 @@ between runs (see ab_pass.py).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_training  # noqa: E402 - tools/ is not a package
-from ab_pass import interleave  # noqa: E402
-from timing import run_child  # noqa: E402
+from ab_pass import interleave, run_ab  # noqa: E402
 
 
 def _target(path: str) -> tuple[object, str]:
@@ -57,27 +54,8 @@ def measure(name: str, out_dir: str, module: object, attr: str, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("function", metavar="FUNCTION")
-    parser.add_argument("--models", default="cnn")
-    parser.add_argument("--pairs", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    args.provider = "cpu"
-    if args.pairs < 1 or args.warmup < 0 or args.threads < 1:
-        raise SystemExit("--pairs and --threads must be >= 1, --warmup >= 0")
-    module, attr = _target(args.function)
-    with tempfile.TemporaryDirectory(prefix="gradgraph_ab_") as out_dir:
-        for name in args.models.split(","):
-            if name not in bench_training.MODELS:
-                raise SystemExit(f"unknown model {name!r}; known: {', '.join(bench_training.MODELS)}")
-            print(f"{name}: export ...", file=sys.stderr, flush=True)
-            export = run_child([sys.executable, str(Path(__file__).resolve().parent / "bench_training.py"),
-                                "--child", "export", "--model", name, "--dir", out_dir])
-            if not export.get("ok"):
-                raise SystemExit(f"{name}: export failed: {export.get('error')}")
-            measure(name, out_dir, module, attr, args)
+    run_ab(__doc__, "FUNCTION", "cnn", _target,
+           lambda name, out_dir, target, args: measure(name, out_dir, *target, args))
 
 
 if __name__ == "__main__":
