@@ -142,7 +142,8 @@ _unary("Sigmoid", lambda b, x, y, n: y * (1.0 - y))
 _unary("Erf", lambda b, x, y, n: (2.0 / math.sqrt(math.pi)) * b.Exp(-(x * x)))
 _unary("Softplus", lambda b, x, y, n: b.Sigmoid(x))
 _unary("Softsign", lambda b, x, y, n: b.Reciprocal((1.0 + b.Abs(x)) * (1.0 + b.Abs(x))))
-_unary("Relu", lambda b, x, y, n: b.CastLike(b.Greater(x, 0.0), x))
+# Relu's mask from y (y > 0 exactly where x > 0): x need not be kept for the backward
+_unary("Relu", lambda b, x, y, n: b.CastLike(b.Greater(y, 0.0), x))
 _unary("LeakyRelu", lambda b, x, y, n: b.Where(b.Greater(x, 0.0), 1.0, n.attr("alpha", 0.01), _like=x))
 _unary("ThresholdedRelu", lambda b, x, y, n: b.CastLike(b.Greater(x, n.attr("alpha", 1.0)), x))
 _unary("Elu", lambda b, x, y, n: b.Where(b.Greater(x, 0.0), 1.0, y + n.attr("alpha", 1.0), _like=x))
@@ -265,9 +266,15 @@ CLIP_BOUNDS_KEY = "gradgraph.clip_bounds"
 @grad_rule("Clip", diff_inputs=(0,))
 def _clip(b, n, g):
     """Gradient passes where min < x < max (torch's hardtanh/ReLU6, TF's relu6: the default), or
-    min <= x <= max when the node is marked ``closed`` (torch.clamp)."""
-    x = n.inputs[0]
+    min <= x <= max when the node is marked ``closed`` (torch.clamp).
+
+    The open mask is read from y: min < y < max holds exactly where min < x < max (y is x there,
+    a bound elsewhere), so x need not be kept for the backward. dX = dY * Cast(mask): onnxruntime's
+    ``Where`` with a scalar branch is 5x slower than Cast + Mul (46 vs 11 ms on a
+    [32, 144, 32, 32] ReLU6, 2 threads); MobileNetV2's step 0.885x (tools/ab_rule.py, 16 pairs).
+    A non-finite dY outside the mask gives NaN instead of 0, as the Relu rule does."""
     closed = n.node.metadata_props.get(CLIP_BOUNDS_KEY) == "closed"
+    x = n.inputs[0] if closed else n.outputs[0]
     above, below = ("GreaterOrEqual", "LessOrEqual") if closed else ("Greater", "Less")
     keep = None
     if n.has_input(1):
@@ -277,4 +284,4 @@ def _clip(b, n, g):
         keep = upper if keep is None else b.And(keep, upper)
     if keep is None:
         return [g[0]]
-    return [b.Where(keep, g[0], b.const(0.0, g[0].dtype)), None, None]
+    return [g[0] * b.CastLike(keep, g[0]), None, None]
