@@ -12,8 +12,9 @@ the same infinity, a NaN a NaN (``equal_nan``): torch's own NaN/inf are conventi
 
 Two families: single ONNX ops (the rule alone, with the node marks an export sets), and torch
 functions exported with ``torch.onnx.export(dynamo=True)`` once (the rules as the exporter's
-decomposition and marks reach them: ``max(dim)``, ``atan2``, ``relu6``, ``clamp``, norms,
-adaptive max pooling; MaxPool's rule itself lives in conv.py and sends a tie to the first
+decomposition and marks reach them: ``max(dim)``, ``atan2``, ``relu6``, ``clamp``, norms (``p``
+other than 1, 2, inf: ``Pow(ReduceSum(Pow(Abs(x), p)), 1 / p)`` marked ``NORM_KEY``), adaptive
+max pooling; MaxPool's rule itself lives in conv.py and sends a tie to the first
 maximum, as torch does).
 """
 
@@ -33,7 +34,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from gradgraph.api import build_gradient_graph
-from passes.autodiff.rules.elementwise import CLIP_BOUNDS_KEY
+from passes.autodiff.rules.elementwise import CLIP_BOUNDS_KEY, NORM_KEY
 from passes.autodiff.rules.reduce import EXTREME_TIES_KEY
 
 torch = pytest.importorskip("torch")
@@ -208,6 +209,12 @@ _EXPORTED = {
     "relu6": (F.relu6, (0.0, 6.0, 3.0, -1.0)),
     "clamp": (lambda x: torch.clamp(x, -1.0, 1.0), (-1.0, 1.0, 0.0)),
     "vector_norm": (lambda x: torch.linalg.vector_norm(x, 2, 1), (0.0, 0.0, 1.0)),
+    # (sum |x|^p)^(1/p): torch's 0 at a zero norm and at a zero element for p < 1 (the NORM_KEY marks)
+    "vector_norm(3)": (lambda x: torch.linalg.vector_norm(x, 3, 1), (0.0, 0.0, 1.0, -2.0)),
+    "vector_norm(0.5)": (lambda x: torch.linalg.vector_norm(x, 0.5, 1), (0.0, 0.0, 1.0, -2.0)),
+    "norm(3, keepdim)": (lambda x: torch.norm(x, 3, 1, keepdim=True), (0.0, 0.0, 1.0)),
+    "dist(3)": (lambda x: torch.dist(x[0], x[1], 3), (0.0, 1.0)),
+    "sqrt(sum(x ** 2))": (lambda x: torch.sqrt((x ** 2).sum(1)), (0.0, 0.0, 1.0)),  # torch: NaN at 0
     "pow": (lambda x: torch.pow(x, 2.0), (0.0, 1.0, -1.0)),
     "atan2": (lambda x: torch.atan2(x[0], x[1]), (0.0, 1.0, -1.0)),
     "adaptive_max_pool1d": (lambda x: F.adaptive_max_pool1d(x.unsqueeze(0), 2).squeeze(0), (0.0, 1.0)),
@@ -246,3 +253,72 @@ def test_exported_torch_function_at_singular_points_matches_torch(key, data):
     x = data.draw(_points(_EXPORTED[key][1], SHAPE), label="x")
     ours = session.run([out], {"x": x})[0]
     _compare({"x": ours}, _torch_grads(_EXPORTED[key][0], {"x": x}, weight), {"x": x})
+
+
+# ---- the marked rules away from their edge points: float64 central differences ---------------
+
+_MARKED = {
+    "Pow(norm)": ("""
+<ir_version: 9, opset_import: ["" : 18]>
+g (double[2, 3] x) => (double[2] y) {
+    p = Constant<value = double {3.0}>()
+    r = Constant<value = double {0.3333333333333333}>()
+    axes = Constant<value = int64[1] {1}>()
+    a = Abs(x)
+    s = ReduceSum<keepdims = 0>(a3, axes)
+    a3 = Pow(a, p)
+    y = Pow(s, r)
+}
+""", {"a3": NORM_KEY, "y": NORM_KEY}),
+    "Sqrt(norm)": ("""
+<ir_version: 9, opset_import: ["" : 18]>
+g (double[2, 3] x) => (double[2, 3] y) {
+    y = Sqrt(x)
+}
+""", {"y": NORM_KEY}),
+    "ReduceMax(all ties)": ("""
+<ir_version: 9, opset_import: ["" : 18]>
+g (double[2, 3] x) => (double[2] y) {
+    axes = Constant<value = int64[1] {1}>()
+    y = ReduceMax<keepdims = 0>(x, axes)
+}
+""", {"y": EXTREME_TIES_KEY}),
+}
+
+
+@pytest.mark.parametrize("key", list(_MARKED))
+def test_marked_norm_rules_away_from_zero_match_central_differences(key):
+    """A node marked as a norm's (zero at zero) or as cdist's inf-norm (ties all) keeps the
+    plain derivative where it exists: positive, distinct, nonzero inputs."""
+    text, marks = _MARKED[key]
+    model = onnx.parser.parse_model(text)
+    for node in model.graph.node:
+        if node.output[0] in marks:
+            mark = marks[node.output[0]]
+            node.metadata_props.add(key=mark, value="all" if mark == EXTREME_TIES_KEY else "zero")
+    y_shape = tuple(d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim)
+    model = fdcheck.with_weighted_loss(model, {"y": y_shape})
+    x = np.array([[0.7, -1.3, 2.5], [1.9, 0.4, -0.8]])
+    if key == "Sqrt(norm)":
+        x = np.abs(x)
+    reports = fdcheck.compare_gradients(model, ["x"], {"x": x}, fdcheck.FLOAT64_TOL)
+    assert all(r.checked and not r.mismatches for r in reports), fdcheck.describe(reports)
+
+
+def test_marked_norm_rules_at_zero_give_zero_and_unmarked_ones_torchs_inf():
+    """At a zero base the marked Pow / Sqrt give 0 (torch's norm subgradient); the same nodes
+    unmarked keep torch's sqrt / pow value there (inf)."""
+    for key in ("Pow(norm)", "Sqrt(norm)"):
+        text, marks = _MARKED[key]
+        for marked in (True, False):
+            model = onnx.parser.parse_model(text)
+            for node in model.graph.node:
+                if marked and node.output[0] in marks:
+                    node.metadata_props.add(key=NORM_KEY, value="zero")
+            model = fdcheck.with_weighted_loss(model, {"y": (2,) if key == "Pow(norm)" else (2, 3)})
+            x = np.array([[0.0, 0.0, 0.0], [1.9, 0.0, 0.8]])
+            grad = fdcheck.analytic_gradients(model, ["x"], {"x": x})["x"]
+            if marked:
+                assert np.isfinite(grad).all() and (grad[x == 0] == 0).all(), (key, grad)
+            else:
+                assert not np.isfinite(grad[0]).any(), (key, grad)

@@ -595,10 +595,9 @@ def test_random_ops_repeat_under_torch_manual_seed(how):
     assert not torch.allclose(runs[0], runs[1]), "two seeds, one draw"
 
 
-# ---- 8. norms and distances at zero (gradient rules' edge points: issue 35) -------------------
-@pytest.mark.xfail(strict=True, reason="Sqrt / ReduceL2's gradient at 0 is NaN where torch's "
-                   "cdist and norm give 0: the edge-point audit of the gradient rules (issue 35)")
+# ---- 8. norms and distances at zero (more in test_ortmodule_norms.py) ------------------------
 def test_cdist_and_norm_at_zero_give_torchs_finite_gradients():
+    # cdist(z, z)'s zero diagonal gave NaN gradients and NaN weights after one step
     class Distances(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()

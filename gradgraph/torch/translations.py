@@ -183,3 +183,59 @@ def embedding_bag_translation() -> dict:
     return {target: embedding_bag for target in (
         torch.ops.aten.embedding_bag.padding_idx, torch.ops.aten._embedding_bag.default,
         torch.ops.aten._embedding_bag_forward_only.default)}
+
+
+def distance_translation() -> dict:
+    """aten._cdist_forward, _pdist_forward and _euclidean_dist (torch.cdist, F.pdist), which
+    torchlib does not write (the export fell to the TorchScript exporter, whose cdist ignores
+    ``p``): the p-norm of the row differences with linalg_vector_norm's ops (ReduceL2 for 2,
+    ReduceL1 for 1, ReduceMax of Abs for inf, else ``(sum |d|^p)^(1/p)``), and torch's
+    ``|x1|^2 - 2 x1 x2^T + |x2|^2`` then the root for _euclidean_dist (cdist of more than 25
+    rows). Convention 8 of :mod:`passes.exports.conventions` gives their gradients torch's 0 at
+    a zero distance. The differences are materialized: [..., P, R, D] for cdist."""
+    from onnxscript import opset18
+
+    op: Any = opset18
+    last = [-1]
+
+    def norm(diff, p: float):
+        axes = op.Constant(value_ints=last)
+        if p == 2.0:
+            return op.ReduceL2(diff, axes, keepdims=0)
+        if p == 1.0:
+            return op.ReduceL1(diff, axes, keepdims=0)
+        if p == float("inf"):
+            return op.ReduceMax(op.Abs(diff), axes, keepdims=0)
+        if p == 0.0:  # the count of differing coordinates: no gradient (torch: zeros)
+            return op.ReduceSum(op.CastLike(op.Not(op.Equal(diff, op.CastLike(op.Constant(value_float=0.0), diff))),
+                                            diff), axes, keepdims=0)
+        # float64 constants: a float32 1 / p is off by 3e-8 in a float64 model
+        power = op.CastLike(op.Constant(value=ir.tensor(np.array(p, np.float64))), diff)
+        root = op.CastLike(op.Constant(value=ir.tensor(np.array(1.0 / p, np.float64))), diff)
+        return op.Pow(op.ReduceSum(op.Pow(op.Abs(diff), power), axes, keepdims=0), root)
+
+    def cdist(x1, x2, p: float = 2.0, compute_mode: int | None = None):
+        return norm(op.Sub(op.Unsqueeze(x1, op.Constant(value_ints=[-2])),
+                           op.Unsqueeze(x2, op.Constant(value_ints=[-3]))), p)
+
+    def pdist(input, p: float = 2.0):
+        n = op.Slice(op.Shape(input), op.Constant(value_ints=[0]), op.Constant(value_ints=[1]))
+        upper = op.Trilu(op.ConstantOfShape(op.Concat(n, n, axis=0), value=ir.tensor([1], dtype=ir.DataType.INT64)),
+                         op.Constant(value_int=1), upper=1)
+        pairs = op.NonZero(upper)  # [2, n(n-1)/2]: (i, j), i < j, row-major as torch orders them
+        first = op.Gather(pairs, op.Constant(value_int=0), axis=0)
+        second = op.Gather(pairs, op.Constant(value_int=1), axis=0)
+        return norm(op.Sub(op.Gather(input, first, axis=0), op.Gather(input, second, axis=0)), p)
+
+    def euclidean(x1, x2):
+        axes = op.Constant(value_ints=last)
+        sq1 = op.ReduceSum(op.Mul(x1, x1), axes, keepdims=1)  # [..., P, 1]
+        sq2 = op.ReduceSum(op.Mul(x2, x2), axes, keepdims=1)  # [..., R, 1]
+        rank = len(x2.shape) if x2.shape is not None else 2
+        perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+        cross = op.MatMul(op.Mul(x1, op.CastLike(op.Constant(value_float=-2.0), x1)), op.Transpose(x2, perm=perm))
+        squared = op.Add(op.Add(cross, sq1), op.Transpose(sq2, perm=perm))
+        return op.Sqrt(op.Relu(squared))
+
+    return {torch.ops.aten._cdist_forward.default: cdist, torch.ops.aten._pdist_forward.default: pdist,
+            torch.ops.aten._euclidean_dist.default: euclidean}

@@ -24,7 +24,13 @@ The ONNX op alone cannot say these; a dynamo export's FX provenance (``fx_call``
    mark ties share the gradient, as ``aten.amax`` / ``aten.amin`` (and ``torch.max(x)``) do;
 7. ``Atan(Div(y, x))`` from ``aten.atan2`` (torchlib's decomposition; the Div read by the Atan
    alone): ``ATAN2_KEY`` marks both, and their gradient is atan2's, ``(x, -y) / (x^2 + y^2)``
-   and 0 at (0, 0) as torch's, not NaN at x = 0.
+   and 0 at (0, 0) as torch's, not NaN at x = 0;
+8. ``Pow`` / ``Sqrt`` written for a norm or distance (``aten.linalg_vector_norm``, ``norm``,
+   ``dist``, ``_cdist_forward``, ``_pdist_forward``, ``_euclidean_dist``) get ``NORM_KEY =
+   "zero"``: their gradient where the base is 0 is 0, torch's subgradient at a zero norm (the
+   chain rule gives inf * 0 = NaN); ``ReduceMax`` written for ``_cdist_forward`` /
+   ``_pdist_forward`` (p = inf) gets ``EXTREME_TIES_KEY = "all"``: every tie gets the whole
+   gradient, as torch's cdist backward gives it.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.autodiff.rules.elementwise import ATAN2_KEY, CLIP_BOUNDS_KEY
+from passes.autodiff.rules.elementwise import ATAN2_KEY, CLIP_BOUNDS_KEY, NORM_KEY
 from passes.autodiff.rules.reduce import EXTREME_TIES_KEY
 from passes.autodiff.rules.shape import PADDING_IDX_KEY
 from passes.exports.signature import fx_call
@@ -49,6 +55,10 @@ _CLAMPS = frozenset({"aten.clamp.default", "aten.clamp.Tensor", "aten.clip.defau
                      "aten.clamp_min.default", "aten.clamp_max.default"})
 _ATAN2 = "aten.atan2.default"
 _EXTREMES_WITH_INDEX = {"ReduceMax": "aten.max.dim", "ReduceMin": "aten.min.dim"}
+_DISTANCES = frozenset({"aten._cdist_forward.default", "aten._pdist_forward.default"})
+_NORMS = _DISTANCES | {"aten.linalg_vector_norm.default", "aten.dist.default", "aten._euclidean_dist.default",
+                       "aten.linalg_norm.default", "aten.frobenius_norm.dim", "aten.norm.Scalar",
+                       "aten.norm.ScalarOpt_dim", "aten.norm.ScalarOpt_dim_dtype", "aten.norm.ScalarOpt_dtype"}
 
 
 class TorchConventionsPass(InPlacePass):
@@ -93,8 +103,19 @@ class TorchConventionsPass(InPlacePass):
                     modified = True
             elif node.op_type == "Atan" and call.target == _ATAN2:
                 modified |= _mark_atan2(node)
+            elif node.op_type in ("Pow", "Sqrt") and call.target in _NORMS:
+                modified |= _mark(node, NORM_KEY, "zero")
+            elif node.op_type == "ReduceMax" and call.target in _DISTANCES:
+                modified |= _mark(node, EXTREME_TIES_KEY, "all")
         attention = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if is_attention_dropout(n)]
         return PassResult(model, train_dropouts(model, attention) or modified)
+
+
+def _mark(node: ir.Node, key: str, value: str) -> bool:
+    if node.metadata_props.get(key) == value:
+        return False
+    node.metadata_props[key] = value
+    return True
 
 
 def _mark_atan2(atan: ir.Node) -> bool:

@@ -51,6 +51,20 @@ def _div(b, n, g):
     return [da, dc]
 
 
+# Node metadata on the Pow / Sqrt nodes of a norm or distance (torch.norm, linalg.vector_norm,
+# dist, cdist, pdist; set from the exporter's record, passes.exports.conventions): "zero" = the
+# gradient where the base is 0 is 0, torch's subgradient for norms, where the plain chain rule
+# gives inf * 0 = NaN (|x|^p's root at a zero norm). A plain sqrt / pow keeps torch's inf there.
+NORM_KEY = "gradgraph.norm"
+
+
+def _norm_zero(b, n, base, grad):
+    """``grad``, or 0 where ``base`` is 0 on a node marked ``NORM_KEY``."""
+    if n.node.metadata_props.get(NORM_KEY) != "zero":
+        return grad
+    return b.Where(b.Equal(base, 0.0), b.const(0.0, grad.dtype), grad)
+
+
 @grad_rule("Pow", broadcast=True)
 def _pow(b, n, g):
     a, e = n.inputs
@@ -59,7 +73,7 @@ def _pow(b, n, g):
     zero = b.const(0.0, a.dtype)
     da = None
     if n.needs_grad(0):  # torch: 0 where e = 0 (e * a^(e-1) is 0 * inf at a = 0)
-        da = b.Where(b.Equal(ef, 0.0), zero, g[0] * ef * b.Pow(a, ef - 1))
+        da = _norm_zero(b, n, a, b.Where(b.Equal(ef, 0.0), zero, g[0] * ef * b.Pow(a, ef - 1)))
     de = None
     if n.needs_grad(1):  # d/de a^e = a^e log a; torch takes 0 at a = 0 for e >= 0 (0 * -inf)
         at_zero = b.And(b.Equal(a, 0.0), b.GreaterOrEqual(ef, 0.0))
@@ -121,7 +135,6 @@ def _unary(op_type: str, formula) -> None:
 
 _unary("Neg", lambda b, x, y, n: b.const(-1.0, x.dtype))
 _unary("Abs", lambda b, x, y, n: b.Sign(x))
-_unary("Sqrt", lambda b, x, y, n: 0.5 / y)
 _unary("Reciprocal", lambda b, x, y, n: -(y * y))
 _unary("Exp", lambda b, x, y, n: y)
 _unary("Log", lambda b, x, y, n: b.Reciprocal(x))
@@ -138,6 +151,13 @@ _unary("Asinh", lambda b, x, y, n: b.Reciprocal(b.Sqrt(x * x + 1.0)))
 _unary("Acosh", lambda b, x, y, n: b.Reciprocal(b.Sqrt(x * x - 1.0)))
 _unary("Atanh", lambda b, x, y, n: b.Reciprocal(1.0 - x * x))
 _unary("Tanh", lambda b, x, y, n: 1.0 - y * y)
+
+
+@grad_rule("Sqrt")
+def _sqrt(b, n, g):
+    """g / (2 sqrt x): inf at 0 as torch's sqrt; 0 there on a norm's Sqrt (``NORM_KEY``)."""
+    y = n.outputs[0]
+    return [_norm_zero(b, n, y, g[0] * (0.5 / y))]
 _unary("Sigmoid", lambda b, x, y, n: y * (1.0 - y))
 _unary("Erf", lambda b, x, y, n: (2.0 / math.sqrt(math.pi)) * b.Exp(-(x * x)))
 _unary("Softplus", lambda b, x, y, n: b.Sigmoid(x))

@@ -69,8 +69,9 @@ def _mean_factor(b, x, y, n):
 
 
 # Node metadata: "first" = a tie's gradient goes to the first extreme along the one reduced
-# axis (torch.max(x, dim) / min(x, dim), whose index is ArgMax's), set from the exporter's
-# record of the call (passes.exports.conventions); without it ties share (torch.amax/amin).
+# axis (torch.max(x, dim) / min(x, dim), whose index is ArgMax's); "all" = every tie gets the
+# whole gradient (the inf-norm of torch.cdist / pdist); set from the exporter's record of the
+# call (passes.exports.conventions); without it ties share (torch.amax/amin).
 EXTREME_TIES_KEY = "gradgraph.extreme_ties"
 _ARG_OF = {"ReduceMax": "ArgMax", "ReduceMin": "ArgMin"}
 
@@ -94,10 +95,13 @@ def _first_axis(b, n):
 
 
 def _extreme_factor(b, x, y, n):
-    """Ties share the gradient evenly (torch.amax/amin semantics), or go to the first extreme
-    where torch's max(dim)/min(dim) picked it (:func:`_first_axis`)."""
+    """Ties share the gradient evenly (torch.amax/amin semantics), go to the first extreme
+    where torch's max(dim)/min(dim) picked it (:func:`_first_axis`), or each get all of it
+    (marked "all")."""
     hit = b.Equal(x, y())
     mask = b.CastLike(hit, x)
+    if n.node.metadata_props.get(EXTREME_TIES_KEY) == "all":
+        return mask
     axis = _first_axis(b, n)
     if axis is not None:  # the first hit along the axis: the running count of hits is 1 there
         first = b.And(hit, b.Equal(b.CumSum(mask, b.const([axis], "int64")), 1.0))
