@@ -77,39 +77,42 @@ class IndexUse:
         return bad
 
 
-def _size(value: ir.Value | None, axis: int) -> int | None:
-    if value is None or value.shape is None or not len(value.shape):
+def _static(dims: list[int | None] | None, axis: int) -> int | None:
+    if not dims:
         return None
-    dim = value.shape[axis % len(value.shape)]
-    return dim if isinstance(dim, int) else None
+    return dims[axis % len(dims)]
 
 
-def _use_of(node: ir.Node, index: int, negative_ok: bool) -> IndexUse | None:
-    """The index use of ``node``'s input ``index``, or None where it is no index."""
-    name = node.name or (node.outputs[0].name or "")
-    if node.op_type in _GATHERS and index == 1:
-        axis = node.attributes.get_int("axis", 0)
-        return IndexUse(node.op_type, name, _size(node.inputs[0], axis), negative_ok=negative_ok)
-    if node.op_type in _LOSSES and index == 1:
-        ignore = node.attributes.get("ignore_index")
-        return IndexUse(node.op_type, name, _size(node.inputs[0], 1),
-                        ignore.as_int() if ignore is not None else None)
+def _use_of(op_type: str, name: str, index: int, attrs: Mapping[str, int],
+            data: list[int | None] | None, negative_ok: bool) -> IndexUse | None:
+    """The index use of input ``index`` of a node (``attrs``: its int attributes; ``data``: the
+    dims of its first input, None for unknown ones), or None where it is no index."""
+    if op_type in _GATHERS and index == 1:
+        return IndexUse(op_type, name, _static(data, attrs.get("axis", 0)), negative_ok=negative_ok)
+    if op_type in _LOSSES and index == 1:
+        return IndexUse(op_type, name, _static(data, 1), attrs.get("ignore_index"))
     return None
 
 
 def index_uses(model: ir.Model | onnx.ModelProto) -> dict[str, list[IndexUse]]:
     """Graph input name -> where its values are used as indices (module docstring). Where a
-    size is not known, shapes are inferred (into an IR model given, into a copy of a proto)."""
-    model = ir.from_proto(model) if isinstance(model, onnx.ModelProto) else model
-    found = _index_uses(model)
+    size is not known, shapes are inferred (into an IR model given, into a copy of a proto).
+    A ModelProto is searched as it is (a training graph's: no IR copy of its thousands of nodes
+    is made, 0.5 s of GPT-2 small's setup)."""
+    found = _proto_index_uses(model) if isinstance(model, onnx.ModelProto) else _index_uses(model)
     if all(u.size is not None for uses in found.values() for u in uses):
         return found
+    model = ir.from_proto(model) if isinstance(model, onnx.ModelProto) else model
     # onnx_ir's pass leaves the initializers out of onnx's inference: > 2 GB models too
     return _index_uses(common.ShapeInferencePass(strict_mode=False)(model).model)
 
 
+def _allows_negative(props: Mapping[str, str]) -> bool:
+    return str(props.get(ALLOW_NEGATIVE_KEY, "")).lower() in ("1", "true")
+
+
 def _index_uses(model: ir.Model) -> dict[str, list[IndexUse]]:
-    negative_ok = str(model.metadata_props.get(ALLOW_NEGATIVE_KEY, "")).lower() in ("1", "true")
+    negative_ok = _allows_negative(model.metadata_props)
     found: dict[str, list[IndexUse]] = {}
     for start in model.graph.inputs:
         if start.dtype is None or not start.dtype.is_integer():
@@ -120,12 +123,55 @@ def _index_uses(model: ir.Model) -> dict[str, list[IndexUse]]:
             for node, index in value.uses():
                 if node.domain not in ("", "ai.onnx"):
                     continue
-                use = _use_of(node, index, negative_ok)
+                data = node.inputs[0] if node.inputs else None
+                dims = None if data is None or data.shape is None else [
+                    d if isinstance(d, int) else None for d in data.shape]
+                attrs = {a.name: a.as_int() for a in node.attributes.values()
+                         if a.type == ir.AttributeType.INT}
+                use = _use_of(node.op_type, node.name or (node.outputs[0].name or ""), index, attrs,
+                              dims, negative_ok)
                 if use is not None:
                     found.setdefault(start.name or "", []).append(use)
                 elif node.op_type in _PASS_THROUGH and (index == 0 or node.op_type == "Concat"):
                     for out in node.outputs[:1]:
                         if out not in seen:
+                            seen.add(out)
+                            todo.append(out)
+    return found
+
+
+def _proto_index_uses(model: onnx.ModelProto) -> dict[str, list[IndexUse]]:
+    """:func:`_index_uses` on a ModelProto's main graph, by value names."""
+    graph = model.graph
+    negative_ok = _allows_negative({p.key: p.value for p in model.metadata_props})
+    dims: dict[str, list[int | None]] = {t.name: list(t.dims) for t in graph.initializer}
+    for info in [*graph.input, *graph.value_info, *graph.output]:
+        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+            dims[info.name] = [d.dim_value if d.HasField("dim_value") else None
+                               for d in info.type.tensor_type.shape.dim]
+    uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name:
+                uses.setdefault(name, []).append((node, index))
+    found: dict[str, list[IndexUse]] = {}
+    for start in graph.input:
+        elem = start.type.tensor_type.elem_type if start.type.HasField("tensor_type") else 0
+        if not elem or not ir.DataType(elem).is_integer():
+            continue
+        seen, todo = {start.name}, [start.name]
+        while todo:
+            for node, index in uses.get(todo.pop(), []):
+                if node.domain not in ("", "ai.onnx"):
+                    continue
+                attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+                use = _use_of(node.op_type, node.name or (node.output[0] if node.output else ""), index,
+                              attrs, dims.get(node.input[0]) if node.input else None, negative_ok)
+                if use is not None:
+                    found.setdefault(start.name, []).append(use)
+                elif node.op_type in _PASS_THROUGH and (index == 0 or node.op_type == "Concat"):
+                    for out in node.output[:1]:
+                        if out and out not in seen:
                             seen.add(out)
                             todo.append(out)
     return found

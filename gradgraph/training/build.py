@@ -417,8 +417,10 @@ def build_training_artifacts(model: onnx.ModelProto | ir.Model | str | os.PathLi
             outputs.extend(v.name or "" for v in m.graph.outputs if v.name not in state)
             if config.loss not in outputs:
                 raise GradientError(f"loss {config.loss!r} is not a graph output (outputs: {outputs})")
-        if stage.name in ("graph_transforms", "recompute"):  # copies of the graph, not the weights
+        if stage.name == "graph_transforms":  # a copy of the graph, not of the weights
             kept[stage.name] = m.clone(deep_copy=True)
+        if stage.name == "recompute":  # the last stage of the front: its model itself
+            kept[stage.name] = m
         if stage.name == "gradient" and config.graph_transformer.recompute is not None:
             from passes.recompute import total_stash_bytes
 

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import onnx
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.shapes import take_inferred
+from passes.shapes import infer_node, shape_of_shape_input, take_inferred
 
 MS_DOMAIN = "com.microsoft"
 # Ops onnxruntime defines in the default domain though ONNX does not (its RMS norm before opset
@@ -122,46 +121,6 @@ def opsets_of(model: ir.Model) -> dict[str, int]:
     return {"" if d == "ai.onnx" else d: v for d, v in model.opset_imports.items()}
 
 
-def _shape_of_reshape(node: ir.Node) -> ir.Shape | None:
-    """``Reshape(x, Shape(v))`` is shaped as ``v``: onnx's data propagation does not see through
-    a Shape of opset 13 (torch's legacy GroupNorm export at opset 13 reshapes back that way)."""
-    if node.op_type != "Reshape" or len(node.inputs) < 2 or node.inputs[1] is None:
-        return None
-    shape_node = node.inputs[1].producer()
-    if shape_node is None or shape_node.op_type != "Shape" or shape_node.domain not in ("", "ai.onnx") \
-            or "start" in shape_node.attributes or "end" in shape_node.attributes:
-        return None
-    source = shape_node.inputs[0]
-    if source is None or source.shape is None:
-        return None
-    # allowzero 0: a 0 in the shape copies x's dimension there, which v's shape does not say
-    if not node.attributes.get_int("allowzero", 0) and any(d == 0 for d in source.shape):
-        return None
-    return ir.Shape(list(source.shape))
-
-
-def infer_node(node: ir.Node, opsets: dict[str, int]) -> dict[str, onnx.TypeProto]:
-    """onnx's inference of ``node`` alone, from its inputs' types and constants (``opsets``:
-    domain -> version, the default domain as ""): output name -> type; {} where onnx cannot."""
-    domain = "" if node.domain == "ai.onnx" else node.domain
-    try:
-        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
-    except onnx.defs.SchemaError:
-        return {}
-    inputs = [v for v in node.inputs if v is not None]
-    if any(v.type is None for v in inputs):
-        return {}
-    types = {v.name or "": ir.serde.serialize_value(v).type for v in inputs}
-    constants = {v.name or "": ir.convenience.get_const_tensor(v) for v in inputs}  # Constant nodes too
-    data = {name: ir.serde.serialize_tensor(t) for name, t in constants.items() if t is not None and t.size <= 64}
-    try:
-        return dict(onnx.shape_inference.infer_node_outputs(
-            schema, ir.serde.serialize_node(node), types, data,
-            opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()]))
-    except Exception:  # noqa: BLE001 - an op onnx cannot infer alone keeps its unknown shape
-        return {}
-
-
 def _infer_one(node: ir.Node, opsets: dict[str, int]) -> None:
     """onnx's inference of ``node`` alone, taken where its outputs have no shape."""
     found = infer_node(node, opsets)
@@ -197,7 +156,7 @@ class ContribShapesPass(InPlacePass):
                     if node.outputs[0].type is None and typed_by is not None:
                         node.outputs[0].type = typed_by.type
                     modified = True
-            elif (reshaped := _shape_of_reshape(node)) is not None:
+            elif node.op_type == "Reshape" and (reshaped := shape_of_shape_input(node)) is not None:
                 node.outputs[0].shape = reshaped
                 if node.outputs[0].type is None and node.inputs[0] is not None:
                     node.outputs[0].type = node.inputs[0].type
