@@ -1,5 +1,5 @@
-"""Models over protobuf's 2 GB limit, end to end: grad, build --save-stages, train (checkpoint,
---resume, inference.onnx) and TrainingSession, each output loaded in onnxruntime, gradients
+"""Models over protobuf's 2 GB limit, end to end: grad, check, build --save-stages, train
+(checkpoint, --resume, inference.onnx) and TrainingSession, each output loaded in onnxruntime, gradients
 against a float64 numpy reference on a slice.
 
 The model is built here from two large MatMul weights in external data (``x @ w1 -> tanh ->
@@ -173,13 +173,13 @@ def end_to_end(tmp: Path, k: int, n: int, env: dict[str, str]) -> dict[str, int]
                                                   env, tmp)
     assert "2 trained" in listed
 
-    # check: not supported over the threshold yet (its float64 oracle is built as protobufs):
-    # one line and exit 2, never a traceback
-    result = subprocess.run([sys.executable, "-m", "gradgraph", "check", str(model), "--loss", "loss",
-                             "--max-elements", "4"], cwd=tmp, env=env, capture_output=True, text=True,
-                            check=False)
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "check cannot take" in result.stderr and "Traceback" not in result.stderr
+    # check: the float64 oracle without a float64 copy of the weights (gradgraph.check.large)
+    out, peaks["check"] = _run(["check", str(model), "--loss", "loss", "--max-elements", "4"], env, tmp)
+    assert "oracle: float64 central differences in onnxruntime" in out, out
+    assert "2 passed, 0 failed" in out, out  # w1 and w2, 4 entries each: gradients matched
+    for name in ("w1", "w2"):
+        row = next(line.split() for line in out.splitlines() if line.startswith(name + " "))
+        assert row[1] == "4" and row[-1] == "ok", out
 
     # build --save-stages: every stage file loads in onnxruntime (those holding the weights
     # with external data)
@@ -254,7 +254,7 @@ def test_external_data_paths_small(tmp_path: Path) -> None:
     """The paths of a model over the threshold, on a small model (threshold lowered)."""
     env = _env(GRADGRAPH_EXTERNAL_DATA_THRESHOLD="10000")
     peaks = end_to_end(tmp_path, 96, 112, env)
-    assert set(peaks) >= {"grad", "build", "train", "train --resume"}
+    assert set(peaks) >= {"grad", "check", "build", "train", "train --resume"}
     # a fixed batch made dynamic for another --batch-size (make_batch_dynamic's IR path)
     fixed = make_model(tmp_path, 96, 112, batch="2", stem="fixed")
     out, _ = _run(["train", str(fixed), "--loss", "loss", "--data", str(tmp_path / "data.npz"), "--optimizer",
@@ -273,3 +273,58 @@ def test_over_2gb_end_to_end(tmp_path: Path) -> None:
     weights = 2 * k * n * 4
     report = ", ".join(f"{name} {rss / 2**30:.2f} GiB ({rss / weights:.2f} W)" for name, rss in peaks.items())
     print(f"peak RSS for W = {weights / 2**30:.2f} GiB of weights: {report}")
+
+
+def test_check_of_a_large_model_takes_its_own_float64_oracle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gradcheck`` on a model over the threshold (lowered here): the oracle of
+    gradgraph.check.large (the weights fed as they are, cast to float64 inside the graph, the
+    moved entry set by an input) gives the report of the ModelProto oracle, and finds a wrong
+    gradient."""
+    from gradgraph.check import compare, gradcheck
+    from gradgraph.check.large import large_float64_oracle
+    from gradgraph.io import load_model
+    from gradgraph.runtime import external
+
+    model = make_model(tmp_path, 24, 20)
+    small = gradcheck(model, "loss", max_elements=6)
+    used = []
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        oracle = large_float64_oracle(*args, **kwargs)
+        used.append(oracle)
+        return oracle
+
+    monkeypatch.setattr(external, "EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(compare, "large_float64_oracle", spy)
+    large = gradcheck(model, "loss", max_elements=6)
+    assert len(used) == 1 and large.oracle == small.oracle and large.ok and small.ok
+    for a, b in zip(large, small, strict=True):
+        assert (a.name, a.checked, a.result) == (b.name, b.checked, b.result) == (a.name, 6, "ok")
+        np.testing.assert_allclose(a.max_abs_err, b.max_abs_err, rtol=1e-3, atol=1e-12)
+    # no float64 copy of a weight: the oracle feeds the file's float32 arrays themselves
+    for name in ("w1", "w2"):
+        fed = used[0].base[name]
+        assert fed.dtype == np.float32 and _maps_a_file(fed), name
+    forward = load_model(model)
+    weights = {name: forward.graph.initializers[name].const_value.numpy() for name in ("w1", "w2")}
+    # a gradient 1.5 times too large fails, entry by entry
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((BATCH, 24)).astype(np.float32),
+             "y": rng.standard_normal((BATCH, 24)).astype(np.float32)}
+    ref1, ref2 = reference_gradients(weights["w1"], weights["w2"], feeds["x"], feeds["y"], 24)
+    good = compare.compare_with_central_differences(forward, "loss", {"w1": ref1, "w2": ref2[:20]}, feeds,
+                                                    max_elements=4)
+    assert good.ok, good
+    bad = compare.compare_with_central_differences(forward, "loss", {"w1": 1.5 * ref1, "w2": ref2[:20]}, feeds,
+                                                   max_elements=4)
+    assert [r.result for r in bad] == ["FAIL", "ok"], bad
+
+
+def _maps_a_file(array: np.ndarray) -> bool:
+    """Whether ``array`` views a memory map (of the model's data file), not memory of its own."""
+    import mmap
+
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return base is not None

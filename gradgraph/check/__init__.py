@@ -70,6 +70,7 @@ from gradgraph.check.compare import (
     compare_with_central_differences,
 )
 from gradgraph.check.draws import freeze_random_draws
+from gradgraph.check.large import skeleton
 from gradgraph.check.oracles import (
     _NP_OF,
     FLOAT32_ATOL,
@@ -87,6 +88,7 @@ from gradgraph.check.oracles import (
     REFERENCE_MAX_VALUES,
     _as_double,
     _describe_failure,
+    _options,
     _Oracle,
     _ort_loss,
     _reference_loss,
@@ -109,6 +111,7 @@ from gradgraph.check.report import (
 from gradgraph.feeds import NP_OF_ORT, InputError, check_feeds, unshaped_inputs
 from gradgraph.index_inputs import IndexCheck
 from gradgraph.io import load_model
+from gradgraph.runtime.external import inference_session, is_large
 from gradgraph.runtime.reference_kernels import REFERENCE_OVERRIDES
 from passes.autodiff import GradientError
 from passes.forward.prepare import PrepareForGradientPass
@@ -172,7 +175,8 @@ def gradcheck(
         prepared = ReduceLossPass(loss, loss_reduction)(prepare(load_model(model)).model).model
     except PassError as exc:
         raise _unwrap_pass_error(exc, model_desc) from exc
-    given = ir.to_proto(prepared)
+    large = is_large(prepared)  # its weights never go into a protobuf (gradgraph.check.large)
+    given = skeleton(prepared) if large else ir.to_proto(prepared)
     feeds = dict(inputs) if inputs is not None else random_inputs(given, seed)
     names = [i.name for i in given.graph.input]
     extra = sorted(set(feeds) - set(names))
@@ -184,9 +188,10 @@ def gradcheck(
     # a random draw is made once and fed to both sides (gradgraph.check.draws)
     draws, notes = freeze_random_draws(prepared, feeds, seed, model_desc)
     feeds.update(draws)
-    forward = ir.to_proto(prepared) if draws else given
+    forward: onnx.ModelProto | ir.Model = prepared if large else ir.to_proto(prepared) if draws else given
     try:
-        grad_model = build_gradient_graph(forward, loss, weights)
+        grad_ir = build_gradient_graph(forward, loss, weights, as_ir=True) if large else None
+        grad_model = skeleton(grad_ir) if grad_ir is not None else build_gradient_graph(forward, loss, weights)
     except PassError as exc:
         raise _unwrap_pass_error(exc, model_desc) from exc
     # the gradient outputs, found by their mark (passes.marks), and the names they belong to
@@ -195,7 +200,8 @@ def gradcheck(
     grad_names = [g for g, _ in marked]
     trained = [w for _, w in marked]
     try:
-        grad_session = _session(grad_model)
+        grad_session = _session(grad_model) if grad_ir is None else inference_session(
+            grad_ir, _options(large=True), providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
         reason, op = _describe_failure(exc, grad_model, "gradient graph")
         raise GradientError(f"cannot check {model_desc}: {reason}", op_type=op) from exc
@@ -207,6 +213,7 @@ def gradcheck(
     except Exception as exc:  # noqa: BLE001
         reason, op = _describe_failure(exc, grad_model, "gradient graph")
         raise GradientError(f"cannot check {model_desc}: {reason}", op_type=op) from exc
+    del grad_session  # its arena goes back before the oracle's grows (the size of a large model's run)
 
     where = ("at the inputs given" if inputs is not None else
              f"at random inputs (standard normal floats, integers 0 or 1, seed {seed})")

@@ -9,7 +9,9 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
+from gradgraph.check.large import large_float64_oracle, skeleton
 from gradgraph.check.oracles import (
     FLOAT32_ATOL,
     FLOAT32_EPS,
@@ -51,7 +53,7 @@ def _validate(eps: float | None, rtol: float | None, atol: float | None, max_ele
 
 
 def compare_with_central_differences(
-    forward: onnx.ModelProto,
+    forward: onnx.ModelProto | ir.Model,
     loss: str,
     analytic: Mapping[str, np.ndarray],
     feeds: Mapping[str, np.ndarray],
@@ -68,7 +70,9 @@ def compare_with_central_differences(
 ) -> CheckReport:
     """The numeric side of the check: ``analytic`` gradients against central differences.
 
-    ``forward`` outputs ``loss``; ``analytic`` maps each name to check (a graph input given in
+    ``forward`` outputs ``loss`` (an ``onnx_ir.Model`` for a model over the external-data
+    threshold: then the oracle is :func:`gradgraph.check.large.large_float64_oracle`, whatever
+    ``float64_only`` says); ``analytic`` maps each name to check (a graph input given in
     ``feeds``, or an initializer) to its gradient, however it was computed. The oracle is
     chosen as the module docstring says: with ``float64_only`` only the two float64 ones (the
     reference evaluator then without its size and time limits), else a :class:`GradientError`.
@@ -82,7 +86,11 @@ def compare_with_central_differences(
     _validate(eps, rtol, atol, max_elements)
     trained = list(analytic)
     runs = 1 + 2 * sum(min(max_elements, int(np.asarray(a).size)) for a in analytic.values())
-    oracle = _choose_oracle(forward, loss, trained, feeds, runs, model_desc, float64_only)
+    if isinstance(forward, ir.Model):  # a large model: its own float64 oracle, no weight copied
+        oracle = large_float64_oracle(forward, loss, trained, feeds, model_desc)
+        forward = skeleton(forward)
+    else:
+        oracle = _choose_oracle(forward, loss, trained, feeds, runs, model_desc, float64_only)
     if not math.isfinite(oracle.f0):
         raise GradientError(f"cannot check {model_desc}: its loss {loss!r} is {oracle.f0} "
                             f"{inputs_text}, so no difference quotient is finite there; pass "
@@ -133,13 +141,17 @@ def _check_one(name: str, oracle: _Oracle, grad: np.ndarray, rng: np.random.Gene
                         f"gradient shape {list(grad.shape)} != {list(x.shape)}")
     if x.size == 0:
         return CheckRow(name, 0, 0.0, 0.0, RESULT_SKIPPED, "empty")
-    pool = np.arange(x.size)
+    # the population as a count where every entry may be picked (the same picks as from
+    # arange(size), without an index per entry: 8 bytes each, 2.2 GB for a 1.1 GB weight)
+    pool: int | np.ndarray = x.size
     if skip_rows and x.ndim >= 1:
+        pool = np.arange(x.size)
         pool = pool[~np.isin(pool // max(1, x.size // x.shape[0]), list(skip_rows))]
-    if pool.size == 0:
-        return CheckRow(name, 0, 0.0, 0.0, RESULT_SKIPPED, "only padding rows")
-    picks = rng.choice(pool, size=min(max_elements, pool.size), replace=False)
-    got = grad.astype(np.float64).reshape(-1)
+        if pool.size == 0:
+            return CheckRow(name, 0, 0.0, 0.0, RESULT_SKIPPED, "only padding rows")
+    count = pool if isinstance(pool, int) else int(pool.size)
+    picks = rng.choice(pool, size=min(max_elements, count), replace=False)
+    got = grad.reshape(-1)  # entries read one by one (no float64 copy of a large gradient)
     errs: list[float] = []
     rels: list[float] = []
     mismatches: list[str] = []
@@ -239,17 +251,21 @@ class _Probe:
     def at(self, offset: float) -> tuple[float, float]:
         """(the point actually taken, which float32 rounds; the loss there)."""
         if offset not in self.values:
-            xp = self.flat.copy()
-            xp[self.k] = xp[self.k] + xp.dtype.type(offset)
-            feeds = dict(self.oracle.base)
-            feeds[self.name] = xp.reshape(self.shape)
+            if self.oracle.perturb is not None:
+                point, feeds = self.oracle.perturb(self.name, self.k, offset)
+            else:
+                xp = self.flat.copy()
+                xp[self.k] = xp[self.k] + xp.dtype.type(offset)
+                point = float(xp[self.k])
+                feeds = dict(self.oracle.base)
+                feeds[self.name] = xp.reshape(self.shape)
             try:
                 loss = self.oracle.loss_of(feeds)
             except Exception as exc:  # noqa: BLE001 - a runtime failing part-way through
                 raise GradientError(f"cannot check {self.model_desc}: the "
                                     f"{_ORACLE_TEXT[self.oracle.kind]} failed perturbing "
                                     f"{self.name!r}: {type(exc).__name__}: {_short(exc)}") from exc
-            self.values[offset] = (float(xp[self.k]), loss)
+            self.values[offset] = (point, loss)
         return self.values[offset]
 
     def central(self, h: float) -> float:

@@ -34,6 +34,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from gradgraph.feeds import NP_OF_ORT, check_feeds, unshaped_inputs
+from gradgraph.runtime.external import session_parts
 from passes.autodiff import GradientError
 from passes.cleanup import is_random
 from passes.forward.random_seeds import SeedRandomOpsPass
@@ -115,7 +116,7 @@ def _probe_values(nodes: list[ir.Node]) -> list[ir.Value]:
 def _run_probe(model: ir.Model, wanted: list[ir.Value], feeds: Mapping[str, np.ndarray],
                model_desc: str) -> dict[str, np.ndarray]:
     """The arrays of ``wanted`` in one onnxruntime run of ``model`` at ``feeds``."""
-    proto = ir.to_proto(model)
+    proto, injected, arrays = session_parts(model)  # the weights as OrtValues: > 2 GB models too
     known = {o.name for o in proto.graph.output}
     names = list(dict.fromkeys(v.name or "" for v in wanted))
     for name in names:
@@ -124,6 +125,9 @@ def _run_probe(model: ir.Model, wanted: list[ir.Value], feeds: Mapping[str, np.n
     opts = ort.SessionOptions()
     opts.log_severity_level = 4
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+    if injected:
+        opts.add_external_initializers(injected, values)
     try:
         session = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types

@@ -6,8 +6,7 @@ import argparse
 
 from gradgraph import check as checking
 from gradgraph.cli.common import add_list_weights, fit_batch, list_weights, main_for, weights_arg
-from gradgraph.feeds import InputError, load_npz
-from gradgraph.runtime.external import EXTERNAL_DATA_THRESHOLD, is_large_file
+from gradgraph.feeds import load_npz
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -54,11 +53,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.list_weights:
         return list_weights(args)
-    if is_large_file(args.model):  # its float64 oracle is built as protobufs (gradgraph.check)
-        raise InputError(f"check cannot take {args.model!r}: its weights (external data, "
-                         f"{EXTERNAL_DATA_THRESHOLD:,} bytes or more) would be copied into "
-                         "protobufs for the float64 oracle; check a smaller configuration of the "
-                         "same architecture (grad and train take this model)")
     inputs = None if args.inputs is None else load_npz(args.inputs, "inputs file")
     model = args.model if inputs is None else fit_batch(args.model, inputs, "check")
     report = checking.gradcheck(model, args.loss, weights_arg(args.weights), inputs,
