@@ -27,6 +27,7 @@ from onnx import version_converter
 from gradgraph.model_check import check_model_proto
 from gradgraph.runtime import external
 from gradgraph.runtime.compat import proto_graphs
+from gradgraph.runtime.stream_proto import write_model
 from passes.autodiff import GradientError
 
 MIN_OPSET = 13
@@ -329,8 +330,9 @@ def save_model(model: onnx.ModelProto | ir.Model, path: str | os.PathLike) -> No
                 atomic_write_bytes(path, data)
                 return
         model = ir.from_proto(model)
-    if external.tensor_bytes(model) < limit:
-        atomic_write_bytes(path, model_proto(model).SerializeToString())
+    if external.tensor_bytes(model) < limit:  # the weights streamed, never in a ModelProto
+        with atomic_writer(path) as f:
+            write_model(model, f)
         return
     _save_external(model, Path(path))
 

@@ -3,6 +3,7 @@ real-size model, each in its own process.
 
     python tools/bench_scale.py --model gpt2 --optimizer adamw    # HF GPT-2 small, 124 M params
     python tools/bench_scale.py --model big --optimizer sgd       # 2 x 1.1 GB MatMul weights
+    python tools/bench_scale.py --model mid --optimizer adamw     # 2 x 268 MB, the same layout
 
 Columns: export time (torch.onnx.export dynamo=True, optimize=False; GPT-2 only), setup
 (gradgraph: TrainingSession from the file; torch: the module and optimizer), the median step,
@@ -27,7 +28,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, SEQ = 2, 64
-BIG_K, BIG_N = 16384, 17000
+# (k, n) of the two-weight model (tests/test_large_models.py's layout): w1 [k, n], w2 [n, k].
+SIZES = {"big": (16384, 17000), "mid": (8192, 8192)}
 
 
 def _peak_bytes() -> int:
@@ -61,8 +63,9 @@ def _feeds(kind: str, steps: int) -> list[dict[str, np.ndarray]]:
             ids = rng.integers(0, 50257, (BATCH, SEQ)).astype(np.int64)
             out.append({"ids": ids, "labels": ids})
         return out
-    return [{"x": rng.standard_normal((BATCH, BIG_K)).astype(np.float32),
-             "y": rng.standard_normal((BATCH, BIG_K)).astype(np.float32)} for _ in range(steps)]
+    k = SIZES[kind][0]
+    return [{"x": rng.standard_normal((BATCH, k)).astype(np.float32),
+             "y": rng.standard_normal((BATCH, k)).astype(np.float32)} for _ in range(steps)]
 
 
 def prepare(kind: str, out: Path) -> dict[str, float]:
@@ -86,7 +89,7 @@ def prepare(kind: str, out: Path) -> dict[str, float]:
     sys.path.insert(0, str(REPO / "tests"))
     from test_large_models import make_model
 
-    make_model(out, BIG_K, BIG_N)
+    make_model(out, *SIZES[kind])
     return {}
 
 
@@ -126,9 +129,10 @@ def run_torch(kind: str, out: Path, optimizer: str, steps: int) -> dict[str, flo
             return module(torch.from_numpy(feeds["ids"]), torch.from_numpy(feeds["labels"]))
     else:
         data = out / "model.onnx.data"
-        w1 = torch.nn.Parameter(torch.from_numpy(np.fromfile(data, np.float32, BIG_K * BIG_N).reshape(BIG_K, BIG_N)))
-        w2 = torch.nn.Parameter(torch.from_numpy(np.fromfile(data, np.float32, BIG_N * BIG_K, offset=BIG_K * BIG_N * 4)
-                                                 .reshape(BIG_N, BIG_K)))
+        k, n = SIZES[kind]
+        w1 = torch.nn.Parameter(torch.from_numpy(np.fromfile(data, np.float32, k * n).reshape(k, n)))
+        w2 = torch.nn.Parameter(torch.from_numpy(np.fromfile(data, np.float32, n * k, offset=k * n * 4)
+                                                 .reshape(n, k)))
         params = [w1, w2]
 
         def loss_of(feeds):  # type: ignore[no-untyped-def]
@@ -162,7 +166,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["gpt2", "big"], default="gpt2")
+    parser.add_argument("--model", choices=["gpt2", *SIZES], default="gpt2")
     parser.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="adamw")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=None)

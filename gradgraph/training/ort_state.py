@@ -3,7 +3,9 @@
 A :class:`StateStore` keeps one OrtValue per held tensor on the session's device, plus a
 spare of the same shape for each tensor a graph updates. A :class:`GraphRunner` binds the
 current values as inputs and the spares as the ``X.out`` outputs, runs, then swaps them:
-weights and optimizer state never travel through host memory between steps. Outputs marked
+weights and optimizer state never travel through host memory between steps. An output the
+runner is told it may write in place (``inplace``, see :func:`gradgraph.training.step_split.aliasing`)
+is bound to its input's own OrtValue instead: no spare, no swap. Outputs marked
 ``gradgraph.valid_if`` (a training graph built with ``UpdateOptions.select_in_graph=False``)
 are swapped in only when their flag output is true: a skipped step keeps the previous values.
 """
@@ -15,7 +17,7 @@ import gc
 import sys
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,7 +133,11 @@ class GraphRunner:
 
     def __init__(self, model: onnx.ModelProto, held: set[str], names: TrainingNames,
                  sess_options: ort.SessionOptions | None, providers: Sequence[Any] | None,
-                 provider_options: Sequence[dict[str, Any]] | None) -> None:
+                 provider_options: Sequence[dict[str, Any]] | None, *,
+                 inplace: Collection[str] = (), carried: Sequence[str] = ()) -> None:
+        """``inplace``: held inputs whose (unconditional) update is written over them;
+        ``carried``: outputs a run returns as OrtValues left on the store's device (the
+        gradients a split step hands to its update run)."""
         disabled = list(DISABLED_OPTIMIZERS)
         if has_recompute(model):
             disabled += list(SESSION_DISABLED_OPTIMIZERS)
@@ -158,7 +164,8 @@ class GraphRunner:
         self.updates = {n: names.updated(n) for n in self.held_inputs
                         if names.updated(n) in outputs}
         updated = set(self.updates.values())
-        self.fetchable = [n for n in outputs if n not in updated]
+        self.carried = list(carried)
+        self.fetchable = [n for n in outputs if n not in updated and n not in self.carried]
         # Runtime selection (UpdateOptions.select_in_graph=False): the outputs marked valid_if
         # replace their inputs only when that flag output is true.
         valid_if = {o.name: p.value for o in model.graph.output for p in o.metadata_props
@@ -169,6 +176,8 @@ class GraphRunner:
                              f"the graph; got {flags}")
         self.select_on = flags[0] if flags else None
         self.conditional = {n for n, out in self.updates.items() if out in valid_if}
+        self.inplace = {n for n in inplace if n in self.updates and n not in self.conditional}
+        self.swapped = [n for n in self.updates if n not in self.inplace]
         self._inputs = self.session.get_inputs()
         self._unshaped = unshaped_inputs(model)
         self._not_fed = set(self.held_inputs + self.internal)
@@ -176,6 +185,7 @@ class GraphRunner:
         # OrtValues bound and the fetches (see _kept_binding); the lock keeps them to one run at
         # a time (a concurrent run makes a binding of its own).
         self._bindings: dict[tuple[Any, ...], tuple[tuple[ort.OrtValue, ...], ort.IOBinding]] = {}
+        self._device = ("cpu", 0)
         self._lock = threading.Lock()
         # What a kept binding holds for each feed between runs instead of the user's array.
         self._placeholders: dict[str, np.ndarray] = {
@@ -186,9 +196,10 @@ class GraphRunner:
             self._bindings.clear()
 
     def _bound_state(self, store: StateStore) -> tuple[tuple[ort.OrtValue, ...], tuple[ort.OrtValue, ...]]:
-        """The store's OrtValues a run binds: the held inputs' values, the updates' spares."""
+        """The store's OrtValues a run binds: the held inputs' values, the updates' outputs
+        (their spares, or the values themselves where written in place)."""
         return (tuple(store.values[n] for n in self.held_inputs),
-                tuple(store.spare(n) for n in self.updates))
+                tuple(store.values[n] if n in self.inplace else store.spare(n) for n in self.updates))
 
     def _new_binding(self, values: Sequence[ort.OrtValue], spares: Sequence[ort.OrtValue],
                      bound: Sequence[str]) -> ort.IOBinding:
@@ -199,7 +210,14 @@ class GraphRunner:
             binding.bind_ortvalue_output(out, value)
         for name in bound:
             binding.bind_output(name, "cpu")
+        self._bind_carried(binding)
         return binding
+
+    def _bind_carried(self, binding: ort.IOBinding) -> None:
+        """The carried outputs: made by onnxruntime on the device of the store's values."""
+        device, device_id = self._device
+        for name in self.carried:
+            binding.bind_output(name, device, device_id)
 
     def _kept_binding(self, store: StateStore, bound: Sequence[str]) -> ort.IOBinding:
         """An IOBinding with the store's current values bound as the held inputs, its spares as
@@ -212,6 +230,7 @@ class GraphRunner:
         when it replaces a value (``StateStore.set``: a loaded state, ZeRO-1's gathered weights
         or a buffer replaced every step), so they never keep a replaced value alive. Between
         runs a kept binding holds neither the feeds nor the fetched outputs (see _run)."""
+        self._device = (store.device, store.device_id)
         values, spares = self._bound_state(store)
         key = (tuple(map(id, values)), tuple(map(id, spares)), tuple(bound))
         entry = self._bindings.get(key)
@@ -224,7 +243,7 @@ class GraphRunner:
         self._bindings[key] = (values + spares, binding)
         return binding
 
-    def run(self, store: StateStore, feeds: Mapping[str, Any], fetches: Sequence[str]) -> dict[str, np.ndarray]:
+    def run(self, store: StateStore, feeds: Mapping[str, Any], fetches: Sequence[str]) -> dict[str, Any]:
         # The session feeds the learning rate and the accumulation reset itself: a user's data
         # is checked against the model's own inputs only.
         check_feeds(self._inputs, feeds, skip=self._not_fed, unshaped=self._unshaped)
@@ -235,6 +254,7 @@ class GraphRunner:
         if self.select_on is not None and self.select_on not in bound:
             bound.append(self.select_on)
         if not self._lock.acquire(blocking=False):  # another thread is running this graph
+            self._device = (store.device, store.device_id)
             binding = self._new_binding(*self._bound_state(store), bound)
             return self._run(store, feeds, fetches, bound, binding, False)
         try:
@@ -243,7 +263,7 @@ class GraphRunner:
             self._lock.release()
 
     def _run(self, store: StateStore, feeds: Mapping[str, Any], fetches: Sequence[str],
-             bound: Sequence[str], binding: ort.IOBinding, kept_binding: bool) -> dict[str, np.ndarray]:
+             bound: Sequence[str], binding: ort.IOBinding, kept_binding: bool) -> dict[str, Any]:
         kept = []  # host arrays must outlive the run
         for name in self.feed_names:
             value = feeds[name]
@@ -260,7 +280,11 @@ class GraphRunner:
             native = getattr(binding, "_iobinding", None)
             results = native.get_outputs() if native is not None else binding.get_outputs()
             first = len(self.updates)
-            arrays = {name: results[first + i].numpy() for i, name in enumerate(bound)}
+            arrays: dict[str, Any] = {name: results[first + i].numpy() for i, name in enumerate(bound)}
+            first += len(bound)
+            for i, name in enumerate(self.carried):  # left where they are, for the next run
+                value = results[first + i]
+                arrays[name] = value if isinstance(value, ort.OrtValue) else ort.OrtValue(value)
         finally:
             if kept_binding:  # let go of this run's feeds and outputs (the arrays share memory
                 # with the outputs: onnxruntime would write the next run into them)
@@ -268,11 +292,12 @@ class GraphRunner:
                     binding.bind_cpu_input(name, placeholder)
                 for name in bound:
                     binding.bind_output(name, "cpu")
+                self._bind_carried(binding)
         taken = self.select_on is None or bool(arrays[self.select_on])
-        for name in self.updates:
+        for name in self.swapped:
             if taken or name not in self.conditional:
                 store.swap(name)
-        return {name: arrays[name] for name in fetches}
+        return {name: arrays[name] for name in [*fetches, *self.carried]}
 
 
 # Models whose weights take at least this many bytes get a full garbage collection before the

@@ -6,9 +6,14 @@ through IOBinding and swaps them with the updated outputs. With ``accumulation_s
 micro-steps 1..N-1 run the accumulate graph and micro-step N the training graph, which also
 applies the optimizer.
 
-A step whose loss, new weights or new optimizer state are not finite is skipped inside the
-graph (nothing changes, the step counter included); ``last_step_finite`` and
-``skipped_steps`` report it.
+A step whose loss, learning rate or gradients are not finite is skipped (nothing changes, the
+step counter included); ``last_step_finite`` and ``skipped_steps`` report it. The step runs as
+two graphs (:mod:`gradgraph.training.step_split`): forward and backward with the finite check,
+then, only on a finite step, the optimizer update, written over the weights and state in place
+(no spare buffer per held tensor). An update that overflows on finite gradients (a learning
+rate of 1e38) is applied, as in torch; the next step's loss is then not finite and skipped.
+Data-parallel ranks (and a graph that cannot be split) run the step as one graph that writes
+into spare buffers and checks the new weights and state too.
 
 Dropout is real in training (onnxruntime's EliminateDropout is disabled) and off in eval.
 Its random stream is onnxruntime's and is not part of checkpoints: resuming is bit-identical
@@ -18,6 +23,7 @@ for models without active dropout.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import os
 import re
@@ -31,7 +37,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
-from gradgraph.feeds import InputError
+from gradgraph.feeds import NP_OF_ORT, InputError
 from gradgraph.index_inputs import IndexCheck
 from gradgraph.io import atomic_output_path, save_model
 from gradgraph.runtime.external import drop_resident
@@ -57,8 +63,10 @@ from gradgraph.training.ort_state import (
 )
 from gradgraph.training.parameters import TrainingParameters
 from gradgraph.training.precision_warning import warn_if_emulated
+from gradgraph.training.step_split import StepSplit, split_at_guard, typed_inputs, writable_in_place
 from passes.autodiff import GradientError
 
+logger = logging.getLogger("gradgraph.training")
 _DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 # What onnxruntime raises when a graph fails on the values fed (an index out of range...).
 _RUN_ERRORS = (RuntimeError, ort_errors.Fail, ort_errors.InvalidArgument, ort_errors.RuntimeException)
@@ -133,6 +141,13 @@ def _zeros(like: np.ndarray) -> np.ndarray:
     return np.zeros(like.shape, like.dtype)
 
 
+def _type_proto(arg: ort.NodeArg) -> onnx.TypeProto:
+    """onnxruntime's type of a graph output (``tensor(float)``, its shape) as an ONNX type."""
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(NP_OF_ORT[arg.type]))
+    shape = [d if isinstance(d, (int, str)) else None for d in arg.shape] if arg.shape is not None else None
+    return onnx.helper.make_tensor_type_proto(elem, shape)
+
+
 def _listed(names: Sequence[str]) -> str:
     shown = ", ".join(repr(n) for n in names[:_LISTED])
     return shown + (f", ... ({len(names)} in all)" if len(names) > _LISTED else "")
@@ -173,8 +188,12 @@ class TrainingSession:
                              f"TrainingParameters), not {type(parameters).__name__}: "
                              f"TrainingSession(model, TrainingConfig(loss='loss', ...))")
         # The session keeps the previous weights and state of a skipped step itself (it does not
-        # swap its buffers), so its graphs leave out the selection (see ort_state.GraphRunner).
-        config = dataclasses.replace(config, update=dataclasses.replace(config.update, select_in_graph=False))
+        # run the update, or does not swap its buffers), so its graphs leave out the selection
+        # (see ort_state.GraphRunner). One process checks the gradients before the update (see
+        # step_split); data-parallel ranks vote on the update's result, taken back from spares.
+        local = distributed is None or not distributed.active
+        config = dataclasses.replace(config, update=dataclasses.replace(
+            config.update, select_in_graph=False, guard_before_update=local))
         self.config = config
         self.names = config.names
         self.providers = _provider_names(providers)
@@ -192,10 +211,32 @@ class TrainingSession:
         args = (held, self.names, sess_options, self.providers, provider_options)
         art = self.artifacts
         optimized = config.debug.graph_save_paths.model_with_training_graph_after_optimization_path
+        # One process: the gradient run, then the update run in place when the step is finite
+        # (step_split); the whole graph in one run (spare buffers) where it cannot be split, or
+        # where onnxruntime's optimized graph of the training graph is asked for (one file).
+        split = split_at_guard(art.train, held, [self.names.learning_rate]) if local and not optimized \
+            else "data parallel, or the optimized training graph is saved"
+        self._split = split if isinstance(split, StepSplit) else None
+        if isinstance(split, str):
+            logger.info("the training step runs as one graph with spare buffers: %s", split)
+        train = self._split.gradients if self._split is not None else art.train
         # onnxruntime writes that file itself: into a unique temp file renamed over it once done.
         with atomic_output_path(optimized) as written_by_ort:
-            self._train = GraphRunner(art.train, *_with_optimized_path(args, written_by_ort))
-        self._accumulate = GraphRunner(art.accumulate, *args) if art.accumulate is not None else None
+            self._train = GraphRunner(train, *_with_optimized_path(args, written_by_ort),
+                                      inplace=self._in_place(train, held, "training step"),
+                                      carried=self._split.carried if self._split is not None else ())
+        self._update: GraphRunner | None = None
+        if self._split is not None:
+            typed_inputs(self._split.update, {o.name: _type_proto(o) for o in self._train.session.get_outputs()})
+            # The update's temporaries (a few tensors of one weight's size) go back to the
+            # system after each run instead of staying in an arena beside the gradient run's:
+            # 0.8 GB less resident on the 2 x 268 MB model with AdamW, the peak the same.
+            options = copy_session_options(sess_options)
+            options.enable_cpu_mem_arena = False
+            self._update = GraphRunner(self._split.update, held, self.names, options, self.providers,
+                                       provider_options, inplace=self._in_place(self._split.update, held, "update"))
+        self._accumulate = None if art.accumulate is None else GraphRunner(
+            art.accumulate, *args, inplace=self._in_place(art.accumulate, held, "accumulation"))
         # The eval graph's session is made at the first eval_step: a training run that never
         # evaluates skips its onnxruntime session (half of the sessions' setup time).
         self._eval_args = args
@@ -218,6 +259,9 @@ class TrainingSession:
         # what the build freed goes back to the system before the steps' arena grows.
         self.artifacts = dataclasses.replace(self.artifacts, gradient_ir=None)
         release_free_memory(weight_bytes)
+
+    def _in_place(self, model: onnx.ModelProto, held: set[str], what: str) -> set[str]:
+        return writable_in_place(model, held, self.names.updated, self.store.device, what)
 
     # ---- state --------------------------------------------------------------------------
     def _init_state(self) -> None:
@@ -372,8 +416,16 @@ class TrainingSession:
                 raise _run_error(exc, "the training step") from exc
             return self._loss_value(out, loss, fetches)
         finite = self._finite_output if applying else None
+        flag = self._split.flag if applying and self._split is not None else None
+        extra_fetches = [f for f in dict.fromkeys([finite, flag]) if f and f not in wanted]
         try:
-            out = runner.run(self.store, feeds, wanted + ([finite] if finite and finite not in wanted else []))
+            out = runner.run(self.store, feeds, wanted + extra_fetches)
+            if flag is not None:  # the update runs (in place) only on a finite step
+                assert self._split is not None and self._update is not None
+                carried = {n: out.pop(n) for n in self._split.carried}
+                if bool(out[flag]):
+                    self._update.run(self.store, {names.learning_rate: feeds[names.learning_rate], **carried}, [])
+                del carried  # the gradients go back to onnxruntime's arena
         except _RUN_ERRORS as exc:
             raise _run_error(exc, "the training step") from exc
         self.micro_step = 0 if applying else self.micro_step + 1

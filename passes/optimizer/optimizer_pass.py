@@ -18,7 +18,8 @@ gradient values from ``GradientPass``:
    the loss, the learning rate and every new weight and state are finite (a NaN/inf gradient,
    learning rate or hyper-parameter makes them non-finite; for a rule with a
    ``finite_witness``, Adam's ``exp_avg_sq``, the new weight and that state are read for all of
-   its outputs); when it is false every ``X.out`` is ``X`` itself,
+   its outputs; with ``guard_before_update`` the gradients the update takes are read instead
+   of its results); when it is false every ``X.out`` is ``X`` itself,
    bit for bit (``Where(finite, new, old)``), the step counter included: the step is skipped.
    With ``select_in_graph=False`` the graph leaves that selection to its runtime: the
    ``X.out`` outputs carry ``gradgraph.valid_if = step_finite`` (:data:`VALID_IF_KEY`);
@@ -162,6 +163,14 @@ class UpdateOptions:
     # runtime keeps ``X`` when the flag is false (TrainingSession does: it does not swap its
     # buffers), which saves the selection's passes over every weight and state.
     select_in_graph: bool = True
+    # What the finite check (``skip_non_finite``) reads. False: the loss, the learning rate and
+    # every new weight and state (a finite gradient whose update overflows is skipped too). True:
+    # the loss, the learning rate and the gradients as the update takes them (unscaled, averaged,
+    # clipped): the flag is known before any update runs, so a runtime can run the update only
+    # on a finite step and write it over the old values in place (TrainingSession does, see
+    # :mod:`gradgraph.training.step_split`); an update that overflows on finite gradients is
+    # then applied, as in torch.
+    guard_before_update: bool = False
     # Weights with fewer elements than this that share an optimizer config, learning-rate scale
     # and dtype are updated together: their gradients, weights and state concatenated into one
     # flat vector per group, the update rule run once on it, the results cut back (Split). Many
@@ -309,7 +318,10 @@ class OptimizerPass(InPlacePass):
             new_w, new_state = rule_for(cfg)(b, cfg, w_var, unit_grads[i], state, sc, unit.lr_scale, **extra)
             updates.append(_Update(new_w, w_var, [(names.out(w), inputs[w]) for w in unit.weights], unit))
             witness = finite_witness(cfg)
-            checked += [new_w, new_state[witness]] if witness in new_state else [new_w, *new_state.values()]
+            if s.guard_before_update:
+                checked += [unit_grads[i]] if scaler is None else []  # the scaler read them
+            else:
+                checked += [new_w, new_state[witness]] if witness in new_state else [new_w, *new_state.values()]
             for k, v in new_state.items():
                 old = state[k]
                 updates.append(_Update(v, old, [(names.out(names.state(w, k)), inputs[w])
