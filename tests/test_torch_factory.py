@@ -167,3 +167,43 @@ def test_a_default_dynamo_export_trains_its_linear_weights_by_torch_name(tmp_pat
     folded = next(i.name for i in model.graph.initializer if i.name.startswith("val_"))
     with pytest.raises((GradientError, ValueError), match="train '"):
         TorchOrtFactory(model, [folded], input_names=["x"], output_names=["y"]).create_class()
+
+
+def _classifier(labels_dim: str):
+    """Gemm scores [N, 3] and SoftmaxCrossEntropyLoss over labels whose batch is named
+    ``labels_dim`` (another name than the inputs' ``N``: only the loss relates them)."""
+    nodes = [helper.make_node("Gemm", ["X", "w"], ["scores"]),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["loss"], ignore_index=-100)]
+    graph = helper.make_graph(nodes, "clf", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 4]),
+                                             helper.make_tensor_value_info("labels", TensorProto.INT64, [labels_dim])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(W1[:, :3].copy(), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("labels_dim", ["N", "M"])
+def test_labels_shapes_and_indices_are_checked_before_onnxruntime_runs(labels_dim, capfd):
+    # a label batch of 6 against 8 inputs computed a loss from the first 6 rows; a negative
+    # label was read; a wrong size or rank reached onnxruntime's error and its log line
+    cls = TorchOrtFactory(_classifier(labels_dim), ["w"]).create_class()
+    w = torch.tensor(W1[:, :3].copy(), requires_grad=True)
+    x = torch.from_numpy(RNG.standard_normal((8, 4)).astype(np.float32))
+    good = torch.tensor([0, 1, 2, -100, 0, 1, 2, 0])
+    ref = torch.nn.functional.cross_entropy(x @ w, good)
+    torch.testing.assert_close(cls.apply(x, good, w), ref)
+    capfd.readouterr()
+    with pytest.raises(ValueError, match="'labels'.*6|6.*'labels'") as info:  # as torch: a ValueError
+        cls.apply(x, good[:6], w)
+    assert "batch" in str(info.value)
+    with pytest.raises(ValueError):
+        torch.nn.functional.cross_entropy(x @ w, good[:6])
+    for bad in (torch.tensor([0, 1, 2, 3, 0, 1, 2, 0]), torch.tensor([0, 1, -2, 0, 0, 1, 2, 0])):
+        with pytest.raises(IndexError, match="'labels' holds"):
+            cls.apply(x, bad, w)
+        with pytest.raises(IndexError):
+            torch.nn.functional.cross_entropy(x @ w, bad)
+    with pytest.raises(RuntimeError, match="'X' has shape \\[8, 5\\]"):
+        cls.apply(torch.zeros(8, 5), good, w)
+    with pytest.raises(RuntimeError, match="'labels' has shape \\[8, 1\\]; the graph takes rank 1"):
+        cls.apply(x, good[:, None], w)
+    assert "onnxruntime" not in capfd.readouterr().err.lower()

@@ -18,6 +18,7 @@ import torch
 from gradgraph.dropout_noise import DropoutNoise
 from gradgraph.runtime.compat import inference_session
 from gradgraph.torch.export import ExportedCall, ExportFailed
+from gradgraph.torch.index_guard import IndexGuard
 from gradgraph.torch.runner import GraphRunner, _to_torch, device_rewrites, make_session
 from gradgraph.torch.signature import _named_tensors
 from passes.cleanup import RANDOM_OPS
@@ -173,6 +174,8 @@ class _Engine:
         module = owner.module
         self.device = device  # where the call's tensors are and the sessions compute
         self.exported = exported
+        # the call's index inputs, checked before onnxruntime runs (index_guard.py)
+        self.index_guard = IndexGuard(exported.model)
         named = _named_tensors(module)
         self.weights = {**exported.parameters, **exported.buffers}  # onnx name -> torch path
         model = ir.from_proto(exported.model)

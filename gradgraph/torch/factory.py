@@ -25,6 +25,7 @@ import torch
 
 from gradgraph.io import load_model
 from gradgraph.runtime.compat import inference_session, provider_names
+from gradgraph.torch.feed_check import FeedCheck
 from gradgraph.torch.ortmodule import (
     GraphRunner,
     _to_ort,
@@ -214,6 +215,8 @@ class TorchOrtFactory:
         # the dtype each feed must have (onnxruntime's own error names neither input nor dtype)
         types = {v.name: v.dtype for v in model.graph.inputs if v.dtype is not None}
         expected = [_TORCH_OF_IR.get(types[n]) if n in types else None for n in feed_names]
+        # shapes, the labels' batch and index values, before onnxruntime runs
+        check = FeedCheck(ir.from_proto(self.onnx_model), feed_names, self.class_name)
 
         def forward(ctx, *tensors: torch.Tensor) -> Any:
             if len(tensors) != len(feed_names):
@@ -223,6 +226,7 @@ class TorchOrtFactory:
                 if dtype is not None and isinstance(tensor, torch.Tensor) and tensor.dtype != dtype:
                     raise TypeError(f"{self.class_name}.apply: {name!r} is a {tensor.dtype} tensor; the "
                                     f"graph takes {dtype} (convert it, e.g. .to({dtype}))")
+            check(tensors)
             outs = apply_runner(runner, tensors)
             return outs[0] if n_outputs == 1 else outs
 

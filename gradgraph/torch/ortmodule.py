@@ -70,6 +70,7 @@ from gradgraph.torch.engine import (
     _training_batch_norms,
 )
 from gradgraph.torch.export import export_call, restore_buffers, snapshot_buffers
+from gradgraph.torch.index_guard import input_describer, run_checked_in_torch
 from gradgraph.torch.runner import (
     GraphRunner,
     _sync,
@@ -288,6 +289,10 @@ class ORTModule(torch.nn.Module):
         if last is not None and last is not engine:  # its kept OrtValues may hold memory the
             last.runner.feeds.clear()                # module no longer uses (moved, cast, replaced)
         self.__dict__["_last_engine"] = weakref.ref(engine)
+        bad = engine.index_guard.find(tensors, input_describer(self.module.forward, args, kwargs)) \
+            if engine.index_guard else None
+        if bad is not None:  # torch's exception for these indices, or its result where it takes them
+            return run_checked_in_torch(lambda: self._run_in_torch(args, kwargs), bad)
         if engine.first_run:
             return self._first_run(engine, args, kwargs, tensors, named, training)
         try:
