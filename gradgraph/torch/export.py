@@ -35,7 +35,8 @@ Exporter traps (torch 2.13), handled here:
    values (torch: zeros; left-padded batches have such rows): :func:`attention_translation`.
 8. torchlib writes EmbeddingBag as a Loop over a sequence, which has no gradient here:
    :func:`embedding_bag_translation` writes it with scatters; it writes no cdist / pdist at all
-   (the TorchScript exporter's cdist ignores ``p``): :func:`distance_translation`.
+   (the TorchScript exporter's cdist ignores ``p``): :func:`distance_translation`; its
+   multinomial is drawn in onnxruntime, with replacement always: :func:`multinomial_translation`.
 9. options that only change torch's gradient have no ONNX form, and both exporters drop them
    silently: ``embedding`` / ``embedding_bag`` with ``scale_grad_by_freq=True`` (each row's
    gradient divided by its index's count in the batch). With ``stop_gradients=True`` the probe
@@ -78,6 +79,7 @@ from gradgraph.torch.translations import (
     cross_entropy_translation,
     distance_translation,
     embedding_bag_translation,
+    multinomial_translation,
 )
 from gradgraph.torch.undo import AttrSnapshot
 from passes.exports.conventions import is_attention_dropout, train_dropouts
@@ -445,7 +447,7 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
         if which == "dynamo":
             has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in flat.modules())
             table = {**cross_entropy_translation(), **attention_translation(), **embedding_bag_translation(),
-                     **distance_translation(),
+                     **distance_translation(), **multinomial_translation(),
                      **(bn_train_translation() if training and has_bn else {})}
             shapes = None
             if dynamic:  # the wrapper takes *tensors: one tuple of per-input specs

@@ -239,3 +239,48 @@ def distance_translation() -> dict:
 
     return {torch.ops.aten._cdist_forward.default: cdist, torch.ops.aten._pdist_forward.default: pdist,
             torch.ops.aten._euclidean_dist.default: euclidean}
+
+
+def multinomial_translation() -> dict:
+    """aten.multinomial from uniform draws the graph reads from torch's generator (the
+    ``RandomUniformLike`` nodes become inputs torch fills on every call:
+    :class:`passes.kernels.random_inputs.RandomInputsPass`), so ``torch.manual_seed`` repeats
+    it (torch's own draws are another stream: the samples differ from eager torch's, their
+    distribution does not). torchlib wrote ONNX's Multinomial, drawn in onnxruntime from a
+    generator seeded once per build, and with replacement even for ``replacement=False``.
+
+    1. without replacement, or one sample: torch's own algorithm, the top ``num_samples`` of
+       ``p / q`` with ``q = -log(1 - U)`` exponential draws (distinct categories);
+    2. with replacement: the inverse of the cumulative distribution at ``U * sum(p)``, one
+       draw per sample."""
+    from onnxscript import opset18
+
+    op: Any = opset18
+
+    def multinomial(self, num_samples: int, replacement: bool = False, generator=None):
+        last = op.Constant(value_ints=[-1])
+        one = op.CastLike(op.Constant(value_float=1.0), self)
+        dtype = int(self.dtype) if self.dtype is not None else int(ir.DataType.FLOAT)
+        def typed(value):  # self's type on an elementwise value (a typeless one is not saved)
+            value.dtype, value.shape = self.dtype, self.shape
+            return value
+
+        if not replacement or num_samples == 1:
+            uniform = typed(op.RandomUniformLike(self, dtype=dtype))
+            q = typed(op.Neg(typed(op.Log(typed(op.Sub(one, uniform))))))
+            keys = typed(op.Div(self, q))
+            if num_samples == 1:
+                return op.ArgMax(keys, axis=-1, keepdims=1)
+            _, indices = op.TopK(keys, op.Constant(value_ints=[num_samples]), axis=-1, largest=1, sorted=1)
+            return indices
+        categories = op.Shape(self, start=-1)
+        shape = op.Concat(op.Shape(self, end=-1), op.Constant(value_ints=[num_samples]), axis=0)
+        draws = op.RandomUniformLike(op.Expand(op.CastLike(op.Constant(value_float=0.0), self), shape), dtype=dtype)
+        cdf = op.CumSum(self, op.Constant(value_int=-1))
+        total = op.ReduceSum(self, last, keepdims=1)
+        at = op.Unsqueeze(op.Mul(draws, total), last)  # [..., n, 1]
+        below = op.LessOrEqual(op.Unsqueeze(cdf, op.Constant(value_ints=[-2])), at)  # [..., n, C]
+        index = op.ReduceSum(op.Cast(below, to=ir.DataType.INT64), last, keepdims=0)
+        return op.Min(index, op.Sub(categories, op.Constant(value_ints=[1])))
+
+    return {torch.ops.aten.multinomial.default: multinomial}
