@@ -526,12 +526,14 @@ def _tiny_lm(kind: str) -> torch.nn.Module:
     if kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
         return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    return transformers.LlamaForCausalLM(cfg)
+    shared = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32)  # grouped-query attention
+    if kind == "mistral":  # a sliding window shorter than the 8 tokens
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**shared, sliding_window=4))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shared))
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral"])
 def test_hf_causal_lms_with_default_configs_train_in_onnxruntime_like_torch(kind):
     # with the default use_cache=True the model returns a DynamicCache: every HF decoder fell
     # back to PyTorch out of the box
