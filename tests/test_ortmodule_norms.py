@@ -83,8 +83,9 @@ def _check(fns: dict[str, Callable], rows: int = 5, columns: int = 4, batch: tup
 
 def test_cdist_gradients_at_and_away_from_zero_are_torchs():
     # cdist(z, z) has a zero diagonal: p = 2 gave NaN gradients (and NaN weights after a step);
-    # other p fell back (the TorchScript exporter's cdist ignored p)
-    fns = {f"cdist(p={p})": (lambda z, p=p: torch.cdist(z, z, p=p)) for p in (0.5, 1.0, 1.5, 2.0, 3.0, INF)}
+    # other p fell back (the TorchScript exporter's cdist ignored p); p = 0 (a count) has torch's
+    # zero gradient, not none
+    fns = {f"cdist(p={p})": (lambda z, p=p: torch.cdist(z, z, p=p)) for p in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, INF)}
     fns["cdist(z, z[:3], p=3), batched"] = lambda z: torch.cdist(z, z[..., :3, :], p=3.0)
     _check(fns, batch=(2,))
 
@@ -96,7 +97,7 @@ def test_cdist_of_many_rows_is_torchs():
 
 
 def test_pdist_gradients_at_and_away_from_zero_are_torchs():
-    _check({f"pdist(p={p})": (lambda z, p=p: F.pdist(z, p=p)) for p in (1.0, 2.0, 3.0, INF)})
+    _check({f"pdist(p={p})": (lambda z, p=p: F.pdist(z, p=p)) for p in (0.0, 1.0, 2.0, 3.0, INF)})
 
 
 def test_norms_at_and_away_from_zero_are_torchs():

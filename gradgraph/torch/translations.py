@@ -206,9 +206,8 @@ def distance_translation() -> dict:
             return op.ReduceL1(diff, axes, keepdims=0)
         if p == float("inf"):
             return op.ReduceMax(op.Abs(diff), axes, keepdims=0)
-        if p == 0.0:  # the count of differing coordinates: no gradient (torch: zeros)
-            return op.ReduceSum(op.CastLike(op.Not(op.Equal(diff, op.CastLike(op.Constant(value_float=0.0), diff))),
-                                            diff), axes, keepdims=0)
+        if p == 0.0:  # the count of differing coordinates; through Sign: torch's zero gradient
+            return op.ReduceSum(op.Abs(op.Sign(diff)), axes, keepdims=0)
         # float64 constants: a float32 1 / p is off by 3e-8 in a float64 model
         power = op.CastLike(op.Constant(value=ir.tensor(np.array(p, np.float64))), diff)
         root = op.CastLike(op.Constant(value=ir.tensor(np.array(1.0 / p, np.float64))), diff)
