@@ -4,7 +4,8 @@ torch raises ``IndexError`` for a negative class label or embedding id, and for 
 end; ONNX's Gather reads a negative index from the end and onnxruntime's loss kernels do not
 check a target at all, so such data trained silently on the wrong rows. An input is an index
 input when its values reach, unchanged (through Identity, Cast, Reshape, Squeeze, Unsqueeze,
-Flatten, Transpose, Expand, Tile, Slice, Concat, or as the data of a Gather, GatherElements,
+Flatten, Transpose, Expand, Tile, Slice, Concat, Pad (HF's causal-LM loss pads its labels with
+-100 and shifts them), or as the data of a Gather, GatherElements,
 GatherND or Compress: a training graph's loss reads the labels of the rows it does not
 ignore), one of:
 
@@ -38,7 +39,7 @@ _LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 # ops whose output holds (some of) the values of their first input (Concat: of every input)
 _PASS_THROUGH = frozenset({"Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten",
                            "Transpose", "Expand", "Tile", "Slice", "Concat", "Gather",
-                           "GatherElements", "GatherND", "Compress"})
+                           "GatherElements", "GatherND", "Compress", "Pad"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,17 +20,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 class Indexed(torch.nn.Module):
-    """Embedding ids, a torch.gather index and cross-entropy / nll labels in one forward."""
+    """Embedding ids, a torch.gather index, cross-entropy / nll labels and labels shifted as
+    HF's causal LMs shift them (through a Pad) in one forward."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(10, 4)
         self.lin = torch.nn.Linear(4, 5)
 
-    def forward(self, ids, labels, pick):
+    def forward(self, ids, labels, pick, tokens):
         scores = self.lin(self.emb(ids))
         picked = torch.gather(scores, 1, pick[:, None]).sum()
-        return F.cross_entropy(scores, labels) + F.nll_loss(F.log_softmax(scores, -1), labels) + picked
+        shifted = F.pad(tokens, (0, 1), value=-100)[1:]  # HF's causal-LM loss shifts its labels so
+        return (F.cross_entropy(scores, labels) + F.nll_loss(F.log_softmax(scores, -1), labels) + picked
+                + F.cross_entropy(scores, shifted))
 
 
 def _torch_error(module: torch.nn.Module, *args) -> BaseException:
@@ -45,14 +48,16 @@ def test_index_values_torch_refuses_raise_torchs_exception_naming_the_input(capf
     torch.manual_seed(0)
     ref = Indexed()
     mine = ORTModule(copy.deepcopy(ref), fallback="raise")
-    ids, labels, pick = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 4]), torch.tensor([0, 2, 4])
-    mine(ids, labels, pick).backward()  # built for this signature
+    ids, labels, pick, tokens = (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 4]), torch.tensor([0, 2, 4]),
+                                 torch.tensor([3, 1, 2]))
+    mine(ids, labels, pick, tokens).backward()  # built for this signature
     capfd.readouterr()
-    cases = {"negative id": ((torch.tensor([1, -2, 3]), labels, pick), "'ids'"),
-             "negative label": ((ids, torch.tensor([0, -3, 4]), pick), "'labels'"),
-             "negative gather index": ((ids, labels, torch.tensor([0, -1, 4])), "'pick'"),
-             "id past the end": ((torch.tensor([1, 2, 10]), labels, pick), "'ids'"),
-             "label past the end": ((ids, torch.tensor([0, 5, 4]), pick), "'labels'")}
+    cases = {"negative id": ((torch.tensor([1, -2, 3]), labels, pick, tokens), "'ids'"),
+             "negative label": ((ids, torch.tensor([0, -3, 4]), pick, tokens), "'labels'"),
+             "negative gather index": ((ids, labels, torch.tensor([0, -1, 4]), tokens), "'pick'"),
+             "id past the end": ((torch.tensor([1, 2, 10]), labels, pick, tokens), "'ids'"),
+             "label past the end": ((ids, torch.tensor([0, 5, 4]), pick, tokens), "'labels'"),
+             "negative shifted label": ((ids, labels, pick, torch.tensor([3, -5, 2])), "'tokens'")}
     for bad, (args, name) in cases.items():
         want = _torch_error(ref, *args)
         with pytest.raises(type(want)) as got:
@@ -60,7 +65,7 @@ def test_index_values_torch_refuses_raise_torchs_exception_naming_the_input(capf
         assert type(got.value) is type(want) and str(got.value).startswith(str(want)), (bad, got.value, want)
         assert f"input {name} holds" in str(got.value), (bad, got.value)
     assert "onnxruntime" not in capfd.readouterr().err.lower()
-    out, expect = mine(ids, labels, pick), ref(ids, labels, pick)  # the signature still runs in onnxruntime
+    out, expect = mine(ids, labels, pick, tokens), ref(ids, labels, pick, tokens)  # still in onnxruntime
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
     assert all(e is not None for e in mine._engines.values())
 
