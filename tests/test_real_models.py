@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 import model_zoo as zoo  # noqa: E402 - imports torch
 
 from gradgraph.api import build_gradient_graph  # noqa: E402
+from passes.marks import STAGE_KEY, Role  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -110,9 +111,11 @@ def test_gradient_graph_is_valid_and_runs(zoo_cache, model, exporter, mode):
     assert all(o.domain in ("", "ai.onnx") for o in built.grad_model.opset_import if o.version)
     assert all(n.domain in ("", "ai.onnx") for n in built.grad_model.graph.node)
     np.testing.assert_allclose(built.outputs[zoo.LOSS], built.torch_loss, rtol=RTOL, atol=ATOL)
-    # The export keeps the mode: batch statistics in train mode, running statistics in eval.
+    # The export keeps the mode: batch statistics in train mode, running statistics in eval
+    # (the model's own nodes: the training-mode gradient applies an inference-mode one to dY).
     for node in built.grad_model.graph.node:
-        if node.op_type == "BatchNormalization":
+        backward = any(p.key == STAGE_KEY and p.value == Role.BACKWARD.value for p in node.metadata_props)
+        if node.op_type == "BatchNormalization" and not backward:
             training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
             assert training == (mode == "train_p0"), node.name
 
