@@ -232,9 +232,12 @@ def distance_translation() -> dict:
         sq2 = op.ReduceSum(op.Mul(x2, x2), axes, keepdims=1)  # [..., R, 1]
         rank = len(x2.shape) if x2.shape is not None else 2
         perm = list(range(rank - 2)) + [rank - 1, rank - 2]
-        cross = op.MatMul(op.Mul(x1, op.CastLike(op.Constant(value_float=-2.0), x1)), op.Transpose(x2, perm=perm))
-        squared = op.Add(op.Add(cross, sq1), op.Transpose(sq2, perm=perm))
-        return op.Sqrt(op.Relu(squared))
+        # torch's one product of [-2 x1, |x1|^2, 1] and [x2, 1, |x2|^2]: its rounding, as far as
+        # the product's summation order allows (a zero distance is sqrt of a rounding error)
+        left = op.Concat(op.Mul(x1, op.CastLike(op.Constant(value_float=-2.0), x1)), sq1,
+                         op.Expand(op.CastLike(op.Constant(value_float=1.0), x1), op.Shape(sq1)), axis=-1)
+        right = op.Concat(x2, op.Expand(op.CastLike(op.Constant(value_float=1.0), x2), op.Shape(sq2)), sq2, axis=-1)
+        return op.Sqrt(op.Relu(op.MatMul(left, op.Transpose(right, perm=perm))))
 
     return {torch.ops.aten._cdist_forward.default: cdist, torch.ops.aten._pdist_forward.default: pdist,
             torch.ops.aten._euclidean_dist.default: euclidean}
