@@ -328,3 +328,28 @@ def _maps_a_file(array: np.ndarray) -> bool:
     while base is not None and not isinstance(base, mmap.mmap):
         base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
     return base is not None
+
+
+def test_check_of_a_large_model_without_float64_kernels_stops_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime has no float64 Conv: the check of a large model stops naming it (the
+    reference evaluator and the float32 oracle, which small models fall back to, would copy
+    the weights)."""
+    from gradgraph.check import gradcheck
+    from gradgraph.runtime import external
+    from passes.autodiff import GradientError
+
+    proto = onnx.parser.parse_model("""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[1, 2, 6, 6] x) => (float loss) {
+      h = Conv(x, w)
+      loss = ReduceSum<keepdims=0>(h)
+    }""")
+    weight = np.random.default_rng(0).standard_normal((16, 2, 3, 3)).astype(np.float32)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(weight, "w"))
+    path = tmp_path / "conv.onnx"
+    onnx.save(proto, str(path), save_as_external_data=True, location="conv.onnx.data", size_threshold=0)
+    assert gradcheck(path, "loss", max_elements=2).ok  # small: the reference evaluator's float64
+    monkeypatch.setattr(external, "EXTERNAL_DATA_THRESHOLD", 0)
+    with pytest.raises(GradientError, match="no float64 kernel for Conv.*checked in float64 in onnxruntime only"):
+        gradcheck(path, "loss", max_elements=2)
