@@ -134,10 +134,12 @@ class GraphRunner:
     def __init__(self, model: onnx.ModelProto, held: set[str], names: TrainingNames,
                  sess_options: ort.SessionOptions | None, providers: Sequence[Any] | None,
                  provider_options: Sequence[dict[str, Any]] | None, *,
-                 inplace: Collection[str] = (), carried: Sequence[str] = ()) -> None:
+                 inplace: Collection[str] = (), carried: Sequence[str] = (),
+                 reuse: Mapping[str, str] | None = None) -> None:
         """``inplace``: held inputs whose (unconditional) update is written over them;
         ``carried``: outputs a run returns as OrtValues left on the store's device (the
-        gradients a split step hands to its update run)."""
+        gradients a split step hands to its update run); ``reuse``: {output: input} outputs
+        written over an input fed as an OrtValue (see step_split.reusable_inputs)."""
         disabled = list(DISABLED_OPTIMIZERS)
         if has_recompute(model):
             disabled += list(SESSION_DISABLED_OPTIMIZERS)
@@ -165,7 +167,9 @@ class GraphRunner:
                         if names.updated(n) in outputs}
         updated = set(self.updates.values())
         self.carried = list(carried)
-        self.fetchable = [n for n in outputs if n not in updated and n not in self.carried]
+        self.reuse = {i: o for o, i in (reuse or {}).items()}  # input -> the output written over it
+        hidden = set(self.carried) | set(self.reuse.values())
+        self.fetchable = [n for n in outputs if n not in updated and n not in hidden]
         # Runtime selection (UpdateOptions.select_in_graph=False): the outputs marked valid_if
         # replace their inputs only when that flag output is true.
         valid_if = {o.name: p.value for o in model.graph.output for p in o.metadata_props
@@ -269,6 +273,8 @@ class GraphRunner:
             value = feeds[name]
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
+                if name in self.reuse:  # a value of its own, dead once read: written over
+                    binding.bind_ortvalue_output(self.reuse[name], value)
                 continue
             array = np.array(value, dtype=NP_OF_ORT.get(self.input_types[name]), order="C", copy=None)
             kept.append(array)
@@ -293,6 +299,8 @@ class GraphRunner:
                 for name in bound:
                     binding.bind_output(name, "cpu")
                 self._bind_carried(binding)
+                for name in self.reuse.values():
+                    binding.bind_output(name, *self._device)
         taken = self.select_on is None or bool(arrays[self.select_on])
         for name in self.swapped:
             if taken or name not in self.conditional:

@@ -215,3 +215,54 @@ def writable_in_place(model: onnx.ModelProto, held: Iterable[str], updated: Call
         logger.info("%s: %d of %d updated tensors keep a spare buffer (%s%s)", what, len(spared),
                     len(updates), shown, " ..." if len(spared) > 3 else "")
     return {n for n, why in verdicts.items() if why is None}
+
+
+def _shape(model: onnx.ModelProto, name: str) -> list[int | None] | None:
+    """The shape of value ``name`` as the graph records it (an input, initializer or
+    value_info; None where unrecorded, a dimension None where symbolic)."""
+    for value in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
+        if value.name == name and value.type.tensor_type.HasField("shape"):
+            return [d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim]
+    for tensor in model.graph.initializer:
+        if tensor.name == name:
+            return list(tensor.dims)
+    return None
+
+
+def reusable_inputs(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, str]:
+    """{intermediate value: input of ``names``} where the run may write that value over the
+    input's buffer (the input fed as an OrtValue of its own, dead after): the input's one reader
+    is an elementwise node (not a Cast) whose other operands are recorded as single numbers
+    (every dimension 1, no higher rank than the input), so its output has the input's shape and
+    type. The value becomes a
+    graph output of ``model`` (added here), which the runner binds to the input's OrtValue.
+
+    SGD's ``lr * g``: the update's one temporary of a weight's size lands in the gradient."""
+    nodes = list(model.graph.node)
+    outputs = {o.name for o in model.graph.output}
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(nodes):
+        for name in _reads(node):
+            readers.setdefault(name, []).append(index)
+    try:  # the update graph holds no weights: its shapes are inferred in milliseconds
+        shaped = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - onnx raises several types; the recorded shapes then
+        shaped = model
+    reuse: dict[str, str] = {}
+    for name in names:
+        found = readers.get(name, [])
+        shape = _shape(shaped, name)
+        if len(found) != 1 or shape is None:
+            continue
+        node = nodes[found[0]]
+        if (node.op_type not in ELEMENTWISE_OPS or node.op_type == "Cast" or node.domain not in ("", "ai.onnx")
+                or len(node.output) != 1 or node.output[0] in outputs or node.output[0] in reuse):
+            continue
+        others = [i for i in node.input if i and i != name]
+        if node.op_type in ("Where", "Pow") and node.input[0 if node.op_type == "Where" else 1] == name:
+            continue  # a condition or an exponent: the output's type is another operand's
+        shapes = [_shape(shaped, i) for i in others]
+        if all(o is not None and len(o) <= len(shape) and all(d == 1 for d in o) for o in shapes):
+            reuse[node.output[0]] = name
+    model.graph.output.extend(onnx.ValueInfoProto(name=v) for v in reuse)
+    return reuse
