@@ -72,7 +72,8 @@ def compare_with_central_differences(
 
     ``forward`` outputs ``loss`` (an ``onnx_ir.Model`` for a model over the external-data
     threshold: then the oracle is :func:`gradgraph.check.large.large_float64_oracle`, whatever
-    ``float64_only`` says); ``analytic`` maps each name to check (a graph input given in
+    ``float64_only`` says, and a dict ``analytic`` is emptied once its entries are read, so
+    that the arrays are freed before the oracle runs); ``analytic`` maps each name to check (a graph input given in
     ``feeds``, or an initializer) to its gradient, however it was computed. The oracle is
     chosen as the module docstring says: with ``float64_only`` only the two float64 ones (the
     reference evaluator then without its size and time limits), else a :class:`GradientError`.
@@ -87,10 +88,10 @@ def compare_with_central_differences(
     trained = list(analytic)
     runs = 1 + 2 * sum(min(max_elements, int(np.asarray(a).size)) for a in analytic.values())
     if isinstance(forward, ir.Model):  # a large model: its own float64 oracle, no weight copied
-        oracle = large_float64_oracle(forward, loss, trained, feeds, model_desc)
-        forward = skeleton(forward)
-    else:
-        oracle = _choose_oracle(forward, loss, trained, feeds, runs, model_desc, float64_only)
+        return _compare_large(forward, loss, analytic, feeds, eps=eps, rtol=rtol, atol=atol,
+                              max_elements=max_elements, seed=seed, model_desc=model_desc,
+                              inputs_text=inputs_text)
+    oracle = _choose_oracle(forward, loss, trained, feeds, runs, model_desc, float64_only)
     if not math.isfinite(oracle.f0):
         raise GradientError(f"cannot check {model_desc}: its loss {loss!r} is {oracle.f0} "
                             f"{inputs_text}, so no difference quotient is finite there; pass "
@@ -119,6 +120,52 @@ def compare_with_central_differences(
                        low if low_tol is not None else None)
 
 
+def _compare_large(forward: ir.Model, loss: str, analytic: Mapping[str, np.ndarray],
+                   feeds: Mapping[str, np.ndarray], *, eps: float | None, rtol: float | None,
+                   atol: float | None, max_elements: int, seed: int, model_desc: str,
+                   inputs_text: str) -> CheckReport:
+    """:func:`compare_with_central_differences` of a large model: the entries to compare are
+    picked and read first (the same picks, from the same generator), and a dict ``analytic``
+    is emptied as they are (``gradcheck`` holds no other reference to its arrays: W bytes less
+    at the oracle's peak) before :func:`gradgraph.check.large.large_float64_oracle` runs."""
+    shape = skeleton(forward)
+    low = low_precision_of(shape)
+    low_tol = LOW_PRECISION_TOL[low] if low else None
+    padding = _padding_rows(shape)
+    rng = np.random.default_rng(seed)
+    chosen: dict[str, CheckRow | dict[int, float]] = {}
+    scales: dict[str, float] = {}
+    for name in list(analytic):
+        grad = np.asarray(analytic.pop(name) if isinstance(analytic, dict) else analytic[name])
+        value = forward.graph.initializers.get(name)
+        x_shape = (tuple(value.const_value.shape.numpy()) if value is not None and value.const_value is not None
+                   else np.shape(feeds[name]) if name in feeds else grad.shape)
+        picked = _select(name, grad.shape, x_shape, rng, max_elements, padding.get(name, set()))
+        got = grad.reshape(-1)
+        chosen[name] = picked if isinstance(picked, CheckRow) else {k: float(got[k]) for k in picked}
+        if low_tol is not None:
+            finite = np.abs(grad[np.isfinite(grad)].astype(np.float64))
+            scales[name] = float(finite.max()) if finite.size else 0.0
+        del grad, got
+    oracle = large_float64_oracle(forward, loss, list(chosen), feeds, model_desc)
+    if not math.isfinite(oracle.f0):
+        raise GradientError(f"cannot check {model_desc}: its loss {loss!r} is {oracle.f0} "
+                            f"{inputs_text}, so no difference quotient is finite there; pass "
+                            "inputs where the model is defined (--inputs FILE.npz)")
+    step = eps if eps is not None else FLOAT64_EPS
+    r_tol = rtol if rtol is not None else low_tol or FLOAT64_RTOL
+    a_tol = atol if atol is not None else low_tol or FLOAT64_ATOL
+    rows = []
+    for name, entries in chosen.items():
+        if isinstance(entries, CheckRow):
+            rows.append(entries)
+            continue
+        a_tol_name = a_tol * scales[name] if low_tol is not None else a_tol
+        rows.append(_compare_entries(name, oracle, np.asarray(oracle.base[name]), entries, step, False,
+                                     r_tol, a_tol_name, model_desc))
+    return CheckReport(tuple(rows), oracle.kind, oracle.reason, step, r_tol, a_tol, oracle.f0, low)
+
+
 def _padding_rows(forward: onnx.ModelProto) -> dict[str, set[int]]:
     """Rows of embedding tables that follow torch's ``padding_idx`` (no gradient by convention,
     not by the graph's math): they are not compared."""
@@ -131,40 +178,57 @@ def _padding_rows(forward: onnx.ModelProto) -> dict[str, set[int]]:
     return rows
 
 
+def _select(name: str, grad_shape: tuple[int, ...], x_shape: tuple[int, ...], rng: np.random.Generator,
+            max_elements: int, skip_rows: set[int] | None = None) -> CheckRow | list[int]:
+    """The flat indices of the entries to compare, sorted, or the row that says why none is."""
+    if grad_shape != x_shape:
+        return CheckRow(name, 0, math.nan, math.nan, RESULT_FAIL,
+                        f"gradient shape {list(grad_shape)} != {list(x_shape)}")
+    size = math.prod(x_shape)
+    if size == 0:
+        return CheckRow(name, 0, 0.0, 0.0, RESULT_SKIPPED, "empty")
+    # the population as a count where every entry may be picked (the same picks as from
+    # arange(size), without an index per entry: 8 bytes each, 2.2 GB for a 1.1 GB weight)
+    pool: int | np.ndarray = size
+    if skip_rows and len(x_shape) >= 1:
+        pool = np.arange(size)
+        pool = pool[~np.isin(pool // max(1, size // x_shape[0]), list(skip_rows))]
+        if pool.size == 0:
+            return CheckRow(name, 0, 0.0, 0.0, RESULT_SKIPPED, "only padding rows")
+    count = pool if isinstance(pool, int) else int(pool.size)
+    return sorted(int(k) for k in rng.choice(pool, size=min(max_elements, count), replace=False))
+
+
 def _check_one(name: str, oracle: _Oracle, grad: np.ndarray, rng: np.random.Generator, step: float,
                relative_step: bool, rtol: float, atol: float, max_elements: int,
                model_desc: str, skip_rows: set[int] | None = None,
                kink_screen: KinkScreen | None = None) -> CheckRow:
     x = np.asarray(oracle.base[name])
-    if grad.shape != x.shape:
-        return CheckRow(name, 0, math.nan, math.nan, RESULT_FAIL,
-                        f"gradient shape {list(grad.shape)} != {list(x.shape)}")
-    if x.size == 0:
-        return CheckRow(name, 0, 0.0, 0.0, RESULT_SKIPPED, "empty")
-    # the population as a count where every entry may be picked (the same picks as from
-    # arange(size), without an index per entry: 8 bytes each, 2.2 GB for a 1.1 GB weight)
-    pool: int | np.ndarray = x.size
-    if skip_rows and x.ndim >= 1:
-        pool = np.arange(x.size)
-        pool = pool[~np.isin(pool // max(1, x.size // x.shape[0]), list(skip_rows))]
-        if pool.size == 0:
-            return CheckRow(name, 0, 0.0, 0.0, RESULT_SKIPPED, "only padding rows")
-    count = pool if isinstance(pool, int) else int(pool.size)
-    picks = rng.choice(pool, size=min(max_elements, count), replace=False)
-    got = grad.reshape(-1)  # entries read one by one (no float64 copy of a large gradient)
+    picked = _select(name, grad.shape, x.shape, rng, max_elements, skip_rows)
+    if isinstance(picked, CheckRow):
+        return picked
+    got = grad.reshape(-1)
+    return _compare_entries(name, oracle, x, {k: float(got[k]) for k in picked}, step, relative_step,
+                            rtol, atol, model_desc, kink_screen)
+
+
+def _compare_entries(name: str, oracle: _Oracle, x: np.ndarray, entries: dict[int, float], step: float,
+                     relative_step: bool, rtol: float, atol: float, model_desc: str,
+                     kink_screen: KinkScreen | None = None) -> CheckRow:
+    """The row of ``name``: each analytic entry (flat index -> value) against the oracle's
+    difference quotient there."""
     errs: list[float] = []
     rels: list[float] = []
     mismatches: list[str] = []
     ok = True
     bad_analytic = bad_numeric = nonfinite = kinks = 0
-    for k in sorted(int(k) for k in picks):
+    for k, analytic in entries.items():
         probe = _Probe(name, oracle, x, k, model_desc)
         h = step * max(1.0, abs(probe.x0)) if relative_step else step
         if kink_screen is not None and kink_screen.at_kink(probe, h):
             kinks += 1
             continue
         numeric = probe.central(h)
-        analytic = float(got[k])
         finite_a, finite_n = math.isfinite(analytic), math.isfinite(numeric)
         if finite_a and finite_n:
             err = abs(numeric - analytic)
