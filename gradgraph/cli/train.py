@@ -37,7 +37,7 @@ from gradgraph.cli.common import (
 )
 from gradgraph.feeds import InputError, load_npz
 from gradgraph.index_inputs import IndexCheck
-from gradgraph.io import atomic_write_bytes, remove_stale_temps
+from gradgraph.io import atomic_write_bytes, load_model, remove_stale_temps
 from gradgraph.training.checkpoint import CheckpointError
 from gradgraph.training.rank_agreement import command_configuration
 from gradgraph.training.schedules import KINDS, Schedule
@@ -274,7 +274,7 @@ def _precheck(args: argparse.Namespace) -> None:
     from gradgraph.io import load_model
     from passes.exports.signature import torch_parameter_names
 
-    model = load_model(args.model)
+    model = load_model(args.model, lazy=True)  # names and shapes: the weights stay in their file
     outputs = [v.name for v in model.graph.outputs]
     if args.loss not in outputs:
         raise InputError(f"--loss {args.loss!r} is not an output of {args.model!r} (outputs: {outputs})")
@@ -383,7 +383,8 @@ def run(args: argparse.Namespace) -> int:
                               save_stages=args.save_stages if rank == 0 else None,
                               distributed=distributed)
     data = _check_data(data, session.artifacts.feeds, args.data)
-    IndexCheck(model)(data, f"data file {args.data!r}")  # torch's IndexError, before any step
+    graph = model if isinstance(model, ir.Model) else load_model(model, lazy=True)
+    IndexCheck(graph)(data, f"data file {args.data!r}")  # torch's IndexError, before any step
     if session.data_parallel is not None:  # every rank's options and data alike, or one line
         session.data_parallel.agree(command_configuration(vars(args), data, PER_RANK_OPTIONS))
     schedule = Schedule(args.schedule, args.lr, args.steps, args.warmup_steps)
@@ -472,16 +473,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_batch(model: str, batch_size: int) -> ir.Model:
-    """The model, made batch-dynamic (and verified) when its inputs fix another batch size (an
+def _fit_batch(model: str, batch_size: int) -> ir.Model | str:
+    """The model's path when its batch fits (the session reads the file itself, the weights
+    straight into its buffers: a model loaded here would hold a second copy of the weights of
+    one under 1 GiB all through training), else the model made batch-dynamic and verified (an
     IR model: the weights of one over 1 GiB stay in its external data, never in a protobuf)."""
     from gradgraph.io import load_model
     from passes.batching import select_batch_inputs
 
-    loaded = load_model(model)
-    fixed, _ = select_batch_inputs(loaded.graph)
+    fixed, _ = select_batch_inputs(load_model(model, lazy=True).graph)
     if not fixed or fixed == batch_size:
-        return loaded
+        return model
+    loaded = load_model(model)
     from gradgraph.batching import batch_dynamic_ir
 
     print(f"gradgraph train: the model was exported with batch {fixed}; making its batch dimension "

@@ -103,6 +103,26 @@ class StateStore:
 
 
 
+def type_proto(arg: ort.NodeArg) -> onnx.TypeProto:
+    """onnxruntime's type of a graph output (``tensor(float)``, its shape) as an ONNX type."""
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(NP_OF_ORT[arg.type]))
+    shape = [d if isinstance(d, (int, str)) else None for d in arg.shape] if arg.shape is not None else None
+    return onnx.helper.make_tensor_type_proto(elem, shape)
+
+
+_SHARED_ARENA: list[bool] = []
+
+
+def share_arena(options: ort.SessionOptions) -> None:
+    """Sessions given these options allocate from one CPU arena of the process (registered once):
+    the update and its finite check, run one after the other, reuse the same memory."""
+    if not _SHARED_ARENA:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+        _SHARED_ARENA.append(True)
+    options.add_session_config_entry("session.use_env_allocators", "1")
+
+
 _COPIED_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
                    "execution_mode", "execution_order", "enable_cpu_mem_arena", "enable_mem_pattern",
                    "log_severity_level", "optimized_model_filepath")

@@ -266,3 +266,52 @@ def reusable_inputs(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, s
             reuse[node.output[0]] = name
     model.graph.output.extend(onnx.ValueInfoProto(name=v) for v in reuse)
     return reuse
+
+
+FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+FLAG = "gradgraph.update_finite"
+
+
+def finite_check(update: onnx.ModelProto) -> onnx.ModelProto:
+    """The update graph computing only whether every new float value is finite (output
+    :data:`FLAG`), each value reduced as soon as it is made, then freed: run before the update
+    in place, it keeps a step whose update would overflow (finite gradients, a learning rate of
+    1e30) from writing non-finite weights or state, at the cost of computing the update twice.
+
+    A float32/float64 value's sum is NaN/inf when an element is (an overflowing sum counts as
+    not finite too); other types are multiplied by 0 first (NaN for NaN/inf, else 0)."""
+    graph = update.graph
+    outputs = {o.name: o.type.tensor_type.elem_type for o in graph.output}
+    check = onnx.ModelProto()
+    check.CopyFrom(update)
+    del check.graph.node[:]
+    del check.graph.output[:]
+    verdicts: list[str] = []
+    for node in graph.node:
+        check.graph.node.append(node)
+        for out in node.output:
+            dtype = outputs.get(out)
+            if dtype is None or dtype not in (*FLOATS, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
+                continue
+            i = len(verdicts)
+            source = out
+            if dtype not in FLOATS:  # float16's sum of finite values may overflow
+                check.graph.node.append(onnx.helper.make_node("Sub", [out, out], [f"{FLAG}/zero{i}"]))
+                source = f"{FLAG}/zero{i}"
+            check.graph.node.extend([
+                onnx.helper.make_node("ReduceSum", [source], [f"{FLAG}/sum{i}"], keepdims=0),
+                onnx.helper.make_node("Sub", [f"{FLAG}/sum{i}", f"{FLAG}/sum{i}"], [f"{FLAG}/nan{i}"]),
+                onnx.helper.make_node("Cast", [f"{FLAG}/nan{i}"], [f"{FLAG}/v{i}"], to=onnx.TensorProto.FLOAT),
+            ])
+            verdicts.append(f"{FLAG}/v{i}")
+    if not verdicts:
+        check.graph.node.append(onnx.helper.make_node(
+            "Constant", [], [FLAG], value=onnx.helper.make_tensor(FLAG, onnx.TensorProto.BOOL, [], [True])))
+    else:
+        check.graph.node.extend([
+            onnx.helper.make_node("Sum", verdicts, [f"{FLAG}/all"]),
+            onnx.helper.make_node("IsNaN", [f"{FLAG}/all"], [f"{FLAG}/any_nan"]),
+            onnx.helper.make_node("Not", [f"{FLAG}/any_nan"], [FLAG]),
+        ])
+    check.graph.output.append(onnx.helper.make_tensor_value_info(FLAG, onnx.TensorProto.BOOL, []))
+    return check
