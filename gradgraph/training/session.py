@@ -60,6 +60,7 @@ from gradgraph.training.ort_state import (
     GraphRunner,
     StateStore,
     copy_session_options,
+    no_spinning,
     release_free_memory,
     share_arena,
     type_proto,
@@ -239,6 +240,7 @@ class TrainingSession:
             # keep another update's worth beside the update run's).
             check_options = copy_session_options(sess_options)
             share_arena(check_options)
+            no_spinning(check_options)
             self._check = GraphRunner(finite_check(self._split.update), held, self.names, check_options,
                                       self.providers, provider_options)
             # The update's temporaries (a few tensors of one weight's size) stay in its arena
@@ -246,6 +248,7 @@ class TrainingSession:
             # (AdamW on 4 x 64 MiB, interleaved in one process: fresh pages every step).
             update_options = copy_session_options(sess_options)
             share_arena(update_options)
+            no_spinning(update_options)
             self._update = GraphRunner(self._split.update, held, self.names, update_options, self.providers,
                                        provider_options,
                                        inplace=self._in_place(self._split.update, held, "update"),
