@@ -22,7 +22,7 @@ from gradgraph.cli.train import CHECKPOINT_NAME
 from gradgraph.training.checkpoint import read_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-KILLS = 15
+KILLS = 8  # random moments of the loop; 15 took a minute of the suite
 
 
 @pytest.fixture(scope="module")

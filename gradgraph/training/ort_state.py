@@ -132,7 +132,9 @@ def no_spinning(options: ort.SessionOptions) -> None:
 
 _COPIED_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
                    "execution_mode", "execution_order", "enable_cpu_mem_arena", "enable_mem_pattern",
-                   "log_severity_level", "optimized_model_filepath")
+                   "log_severity_level", "log_verbosity_level", "optimized_model_filepath",
+                   "use_deterministic_compute", "enable_mem_reuse", "enable_profiling",
+                   "profile_file_prefix")
 
 
 def copy_session_options(options: ort.SessionOptions | None) -> ort.SessionOptions:
