@@ -93,8 +93,8 @@ def test_the_update_sessions_threads_do_not_spin(model_bytes: bytes) -> None:
     on, the plain CNN of tools/bench_training.py stepped in 90-94 ms against 34-55 ms)."""
     session = gradgraph.TrainingSession(model_bytes, gradgraph.TrainingConfig("loss", gradgraph.AdamWConfig()),
                                         providers=CPU)
-    assert session._check is not None and session._update is not None
-    for runner in (session._check, session._update):
+    assert session._update is not None
+    for runner in (session._check_runner(), session._update):
         options = runner.session.get_session_options()
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 

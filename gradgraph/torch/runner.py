@@ -21,7 +21,7 @@ import onnxruntime as ort
 import torch
 
 from gradgraph.runtime.compat import inference_session
-from gradgraph.training.ort_state import release_free_memory
+from gradgraph.training.ort_state import no_spinning, release_free_memory
 from passes.autodiff import GradientOptions
 from passes.autodiff.engine import FLOAT_TYPES
 from passes.autodiff.gradient_pass import GradientPass
@@ -60,7 +60,7 @@ def make_session(model: ir.Model, threads: int | None, severity: int = 3,
     # forward and backward sessions run one after the other: a spinning pool would hold the
     # cores the other needs, and torch's (README, ORTModule: spinning on made the BERT-like
     # step 449-584 ms against 357-421 ms, the optimizer step 30-63 instead of 13-16 ms)
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    no_spinning(opts)
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     # No memory pattern: see gradgraph.training.ort_state.GraphRunner (peak RSS, same speed).
     opts.enable_mem_pattern = False

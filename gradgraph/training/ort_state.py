@@ -148,6 +148,15 @@ def copy_session_options(options: ort.SessionOptions | None) -> ort.SessionOptio
     return copy
 
 
+def side_session_options(options: ort.SessionOptions | None) -> ort.SessionOptions:
+    """Options of a session that runs between two gradient runs (the update, its check): the
+    user's (:func:`copy_session_options`), the process's shared arena, no spinning threads."""
+    copy = copy_session_options(options)
+    share_arena(copy)
+    no_spinning(copy)
+    return copy
+
+
 def has_recompute(model: onnx.ModelProto) -> bool:
     return any(p.key == STAGE_KEY and p.value == Role.RECOMPUTE.value
                for node in model.graph.node for p in node.metadata_props)

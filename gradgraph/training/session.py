@@ -60,9 +60,8 @@ from gradgraph.training.ort_state import (
     GraphRunner,
     StateStore,
     copy_session_options,
-    no_spinning,
     release_free_memory,
-    share_arena,
+    side_session_options,
     type_proto,
 )
 from gradgraph.training.parameters import TrainingParameters
@@ -244,16 +243,13 @@ class TrainingSession:
         if self._split is not None:
             typed_inputs(self._split.update, {o.name: type_proto(o) for o in self._train.session.get_outputs()})
             # A step whose update would make a weight or state non-finite is skipped too: the
-            # update is computed once without writing anything, its results only checked.
-            # Its temporaries go back to the system after each run (an arena of its own would
-            # keep another update's worth beside the update run's).
-            check_options = copy_session_options(sess_options)
-            share_arena(check_options)
-            no_spinning(check_options)
-            self._check = GraphRunner(finite_check(self._split.update), held, self.names, check_options,
-                                      self.providers, provider_options)
+            # update is computed once without writing anything, its results only checked
+            # (self._check_runner, its session made when first needed). Its temporaries share
+            # the update's arena (an arena of its own would keep another update's worth).
             # Most steps skip that check: their update is proven finite from bounds (CPU: the
             # bounds are read from the buffers themselves, see update_bounds).
+            self._check_args = (held, self.names, side_session_options(sess_options), self.providers,
+                                provider_options)
             if self.store.device == "cpu":
                 self._proof = UpdateProof(self._split.update)
                 front = {o.name for o in self._split.gradients.graph.output}
@@ -261,10 +257,8 @@ class TrainingSession:
             # The update's temporaries (a few tensors of one weight's size) stay in its arena
             # between steps: without the arena, the peak is the same and the step 1.46x slower
             # (AdamW on 4 x 64 MiB, interleaved in one process: fresh pages every step).
-            update_options = copy_session_options(sess_options)
-            share_arena(update_options)
-            no_spinning(update_options)
-            self._update = GraphRunner(self._split.update, held, self.names, update_options, self.providers,
+            self._update = GraphRunner(self._split.update, held, self.names,
+                                       side_session_options(sess_options), self.providers,
                                        provider_options,
                                        inplace=self._in_place(self._split.update, held, "update"),
                                        reuse=reusable_inputs(self._split.update, self._split.carried))
@@ -455,12 +449,11 @@ class TrainingSession:
             out = runner.run(self.store, feeds, wanted + extra_fetches)
             if flag is not None:  # the update runs (in place) only on a finite step
                 assert self._split is not None and self._update is not None
-                assert self._check is not None
                 carried = {n: out.pop(n) for n in self._split.carried}
                 update_feeds = {names.learning_rate: feeds[names.learning_rate], **carried}
                 proven = bool(out[flag]) and self._prove_update(update_feeds)
                 if bool(out[flag]) and not proven and \
-                        not bool(self._check.run(self.store, update_feeds, [FLAG])[FLAG]):
+                        not bool(self._check_runner().run(self.store, update_feeds, [FLAG])[FLAG]):
                     out[flag] = np.asarray(False)  # the update would overflow: skipped
                 if bool(out[flag]):
                     self._update.run(self.store, update_feeds, [])
@@ -507,6 +500,13 @@ class TrainingSession:
         updated = self.names.updated
         self._bounds = {n: result.get(updated(n), b) for n, b in self._bounds.items()}
         return True
+
+    def _check_runner(self) -> GraphRunner:
+        """The session of the update's finite check (:func:`finite_check`), made once needed."""
+        if self._check is None:
+            assert self._split is not None
+            self._check = GraphRunner(finite_check(self._split.update), *self._check_args)
+        return self._check
 
     def _update_held(self) -> list[str]:
         assert self._split is not None
