@@ -1,15 +1,20 @@
-"""Scale benchmark (issue 34 §5, partial): gradgraph's TrainingSession against torch eager on a
-real-size model, each in its own process.
+"""Scale benchmark (issue 34 §5): gradgraph against torch eager on a real-size model, each
+worker in its own process.
 
     python tools/bench_scale.py --model gpt2 --optimizer adamw    # HF GPT-2 small, 124 M params
     python tools/bench_scale.py --model big --optimizer sgd       # 2 x 1.1 GB MatMul weights
     python tools/bench_scale.py --model mid --optimizer adamw     # 2 x 268 MB, the same layout
 
-Columns: export time (torch.onnx.export dynamo=True, optimize=False; GPT-2 only), setup
-(gradgraph: TrainingSession from the file; torch: the module and optimizer), the median step,
-peak RSS (the process's VmHWM), checkpoint save (gradgraph: save_checkpoint; torch:
-safetensors.torch.save_file of the state dict and the optimizer's state) and, for gradgraph,
-inference.onnx (export_inference_model). Not measured here: ORTModule, and a GPU column.
+Workers (--workers): torch (eager loop), gradgraph (TrainingSession from the exported file),
+cli (`gradgraph train` on the same batches, with --checkpoint-dir: the whole command timed),
+ortmodule (the torch loop with the module in gradgraph.torch.ORTModule; its first step, the
+export and build, reported apart).
+
+Columns: setup (gradgraph: TrainingSession from the file; torch and ORTModule: the module and
+optimizer), the median step and its ratio to torch's, peak RSS (the process's VmHWM) and its
+ratio, checkpoint save (gradgraph: save_checkpoint; torch, ORTModule: safetensors.torch.save_file
+of the parameters and the optimizer's state), inference.onnx (export_inference_model), and the
+export time (torch.onnx.export dynamo=True, optimize=False; GPT-2 only). No GPU column.
 Files go to --out (default: a temp folder); the export is reused when it exists there.
 """
 
@@ -116,37 +121,73 @@ def run_gradgraph(kind: str, out: Path, optimizer: str, steps: int) -> dict[str,
             "inference_onnx_s": infer, "peak_rss_bytes": _peak_bytes()}
 
 
-def run_torch(kind: str, out: Path, optimizer: str, steps: int) -> dict[str, float]:
+def run_cli(kind: str, out: Path, optimizer: str, steps: int) -> dict[str, float]:
+    """``gradgraph train`` (in this process: its peak RSS is the command's), checkpoint and
+    inference.onnx included; the whole command's time, step times not separable."""
+    from gradgraph.cli.main import main as cli_main
+
+    feeds = _feeds(kind, steps)
+    data = out / "cli_data.npz"
+    np.savez(data, **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
+    start = time.perf_counter()
+    code = cli_main(["train", str(out / "model.onnx"), "--loss", "loss", "--data", str(data),
+                     "--optimizer", optimizer, "--lr", "1e-4", "--steps", str(steps), "--batch-size",
+                     str(BATCH), "--checkpoint-dir", str(out / "cli_run"), "--overwrite", "--quiet"])
+    if code != 0:
+        raise SystemExit(f"gradgraph train exited {code}")
+    return {"total_s": time.perf_counter() - start, "peak_rss_bytes": _peak_bytes()}
+
+
+def _torch_model(kind: str, out: Path):  # type: ignore[no-untyped-def]
+    """The module (its forward returns the loss) and how to call it on a batch."""
+    import torch
+
+    if kind == "gpt2":
+        module = _gpt2_module()
+
+        def loss_of(m, feeds):  # type: ignore[no-untyped-def]
+            return m(torch.from_numpy(feeds["ids"]), torch.from_numpy(feeds["labels"]))
+        return module, loss_of
+    data = out / "model.onnx.data"
+    k, n = SIZES[kind]
+
+    class TwoWeights(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.from_numpy(np.fromfile(data, np.float32, k * n).reshape(k, n)))
+            self.w2 = torch.nn.Parameter(torch.from_numpy(
+                np.fromfile(data, np.float32, n * k, offset=k * n * 4).reshape(n, k)))
+
+        def forward(self, x, y):  # type: ignore[no-untyped-def]
+            return ((torch.tanh(x @ self.w1) @ self.w2 - y) ** 2).mean()
+
+    def loss_of(m, feeds):  # type: ignore[no-untyped-def]
+        return m(torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["y"]))
+    return TwoWeights(), loss_of
+
+
+def run_torch(kind: str, out: Path, optimizer: str, steps: int, ortmodule: bool = False) -> dict[str, float]:
+    """Torch eager's loop, or (``ortmodule``) the same loop with the module in ORTModule: its
+    first step (export and build) is reported apart, the median is over the others."""
     import safetensors.torch
     import torch
 
     start = time.perf_counter()
-    if kind == "gpt2":
-        module = _gpt2_module()
-        params = list(module.parameters())
+    module, loss_of = _torch_model(kind, out)
+    params = list(module.parameters())
+    if ortmodule:
+        from gradgraph.torch import ORTModule
 
-        def loss_of(feeds):  # type: ignore[no-untyped-def]
-            return module(torch.from_numpy(feeds["ids"]), torch.from_numpy(feeds["labels"]))
-    else:
-        data = out / "model.onnx.data"
-        k, n = SIZES[kind]
-        w1 = torch.nn.Parameter(torch.from_numpy(np.fromfile(data, np.float32, k * n).reshape(k, n)))
-        w2 = torch.nn.Parameter(torch.from_numpy(np.fromfile(data, np.float32, n * k, offset=k * n * 4)
-                                                 .reshape(n, k)))
-        params = [w1, w2]
-
-        def loss_of(feeds):  # type: ignore[no-untyped-def]
-            x, y = torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["y"])
-            return ((torch.tanh(x @ w1) @ w2 - y) ** 2).mean()
+        module = ORTModule(module)
     opt = {"sgd": lambda: torch.optim.SGD(params, lr=1e-4),
            "adamw": lambda: torch.optim.AdamW(params, lr=1e-4),
            "adam": lambda: torch.optim.Adam(params, lr=1e-4)}[optimizer]()
     setup = time.perf_counter() - start
     times = []
-    for feeds in _feeds(kind, steps):
+    for feeds in _feeds(kind, steps + ortmodule):
         t = time.perf_counter()
         opt.zero_grad()
-        loss_of(feeds).backward()
+        loss_of(module, feeds).backward()
         opt.step()
         times.append(time.perf_counter() - t)
     t = time.perf_counter()
@@ -155,13 +196,17 @@ def run_torch(kind: str, out: Path, optimizer: str, steps: int) -> dict[str, flo
         tensors.update({f"s{i}.{k}": v for k, v in state.items() if torch.is_tensor(v) and v.dim()})
     safetensors.torch.save_file(tensors, str(out / "torch_checkpoint.safetensors"))
     save = time.perf_counter() - t
-    return {"setup_s": setup, "step_s": statistics.median(times), "save_s": save,
+    first = {"first_step_s": times.pop(0)} if ortmodule else {}
+    return {"setup_s": setup, **first, "step_s": statistics.median(times), "save_s": save,
             "peak_rss_bytes": _peak_bytes()}
 
 
+WORKERS = {"torch": run_torch, "gradgraph": run_gradgraph, "cli": run_cli,
+           "ortmodule": lambda *a: run_torch(*a, ortmodule=True)}
+
+
 def _worker(args: argparse.Namespace) -> None:
-    run = run_gradgraph if args.worker == "gradgraph" else run_torch
-    print(json.dumps(run(args.model, Path(args.out), args.optimizer, args.steps)))
+    print(json.dumps(WORKERS[args.worker](args.model, Path(args.out), args.optimizer, args.steps)))
 
 
 def main() -> None:
@@ -170,18 +215,29 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="adamw")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--worker", choices=["gradgraph", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--workers", default="torch,gradgraph,cli,ortmodule",
+                        help="which to run, comma-separated (default: %(default)s)")
+    parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         _worker(args)
         return
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_scale-"))
     out.mkdir(parents=True, exist_ok=True)
-    rows = {"export": prepare(args.model, out)}
-    for worker in ("torch", "gradgraph"):
+    workers = [w for w in args.workers.split(",") if w]
+    unknown = sorted(set(workers) - set(WORKERS))
+    if unknown or "torch" not in workers:
+        parser.error(f"--workers: {unknown or 'torch'} ({'unknown' if unknown else 'needed: the ratios are to it'}); "
+                     f"choose among {', '.join(WORKERS)}")
+    export = prepare(args.model, out)
+    rows: dict[str, dict[str, float]] = {}
+    for worker in workers:
+        print(f"[bench_scale] {worker} ...", file=sys.stderr, flush=True)
         result = subprocess.run([sys.executable, __file__, "--worker", worker, "--model", args.model,
                                  "--optimizer", args.optimizer, "--steps", str(args.steps), "--out", str(out)],
-                                capture_output=True, text=True, check=True, cwd=REPO)
+                                capture_output=True, text=True, cwd=REPO)
+        if result.returncode != 0:
+            raise SystemExit(f"the {worker} worker exited {result.returncode}:\n{result.stderr[-3000:]}")
         rows[worker] = json.loads(result.stdout.strip().splitlines()[-1])
     import onnx
 
@@ -191,16 +247,27 @@ def main() -> None:
     weights = check_external_data(onnx.load(str(path), load_external_data=False), path)
     print(f"{args.model}, {args.optimizer}, batch {BATCH}, {weights / 1e6:.0f} MB of external weights, "
           f"files in {out}")
-    print("| | setup s | median step s | peak RSS GB | checkpoint save s | inference.onnx s |")
-    print("|---|---|---|---|---|---|")
-    for worker in ("torch", "gradgraph"):
-        r = rows[worker]
-        print(f"| {worker} | {r['setup_s']:.2f} | {r['step_s']:.3f} | {r['peak_rss_bytes'] / 1e9:.2f} | "
-              f"{r['save_s']:.2f} | {r.get('inference_onnx_s', float('nan')):.2f} |")
-    if rows["export"]:
-        print(f"export (torch.onnx.export dynamo=True, optimize=False): {rows['export']['export_s']:.1f} s")
-    ratio = rows["gradgraph"]["peak_rss_bytes"] / rows["torch"]["peak_rss_bytes"]
-    print(f"peak RSS gradgraph / torch: {ratio:.2f}")
+    columns = [("setup s", "setup_s", ".2f"), ("first step s", "first_step_s", ".2f"),
+               ("median step s", "step_s", ".3f"), ("step / torch", "step_ratio", ".2f"),
+               ("peak RSS GB", "peak_gb", ".2f"), ("RSS / torch", "rss_ratio", ".2f"),
+               ("checkpoint save s", "save_s", ".2f"), ("inference.onnx s", "inference_onnx_s", ".2f"),
+               ("whole command s", "total_s", ".1f")]
+    base = rows["torch"]
+    for r in rows.values():
+        r["peak_gb"] = r["peak_rss_bytes"] / 1e9
+        r["rss_ratio"] = r["peak_rss_bytes"] / base["peak_rss_bytes"]
+        if "step_s" in r:
+            r["step_ratio"] = r["step_s"] / base["step_s"]
+    print("| | " + " | ".join(c[0] for c in columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for worker, r in rows.items():
+        cells = [format(r[key], fmt) if key in r else "-" for _, key, fmt in columns]
+        print(f"| {worker} | " + " | ".join(cells) + " |")
+    if export:
+        print(f"export (torch.onnx.export dynamo=True, optimize=False): {export['export_s']:.1f} s")
+    print("gradgraph: TrainingSession; cli: gradgraph train (steps, checkpoint and inference.onnx: the whole "
+          "command); ortmodule: the torch loop with the module in gradgraph.torch.ORTModule (first step: "
+          "export and build)")
 
 
 if __name__ == "__main__":

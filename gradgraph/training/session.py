@@ -10,8 +10,9 @@ A step whose loss, learning rate, gradients, new weights or new optimizer state 
 finite is skipped (nothing changes, the step counter included); ``last_step_finite`` and
 ``skipped_steps`` report it. The step runs as graphs of its own
 (:mod:`gradgraph.training.step_split`): forward and backward with the check of the loss,
-learning rate and gradients; then, only on a finite step, the update computed without
-writing anything, its results checked (a learning rate of 1e30 overflows them); then, only
+learning rate and gradients; then, only on a finite step, the update proven finite from
+bounds (:mod:`gradgraph.training.update_bounds`) or, where no proof holds, computed without
+writing anything and its results checked (a learning rate of 1e30 overflows them); then, only
 when they are finite, the update written over the weights and state in place (no spare
 buffer per held tensor). Data-parallel ranks (and a graph that cannot be split) run the step
 as one graph that writes into spare buffers.
