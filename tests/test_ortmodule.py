@@ -312,3 +312,28 @@ def test_hf_model_with_keyword_inputs_returns_its_model_output():
     out.loss.backward()
     out_ref.loss.backward()
     _close_grads(ref, mine)
+
+
+def test_the_exporters_registry_is_built_once_and_each_export_adds_to_a_copy():
+    """ORTModule's exports share one torchlib registry (built once per opset: 1-2 s an export
+    before), each call adding its custom translations to a copy of it: the shared one gets
+    none, torch's classmethod is restored after each export, and two different modules
+    exported one after the other both train like PyTorch."""
+    from torch.onnx._internal.exporter import _registration
+
+    from gradgraph.torch import export as export_module
+
+    original = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    for width in (5, 6):
+        torch.manual_seed(width)
+        ref = torch.nn.Sequential(torch.nn.Linear(width, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+        mine = ORTModule(copy.deepcopy(ref))
+        x, y = torch.randn(4, width), torch.randint(0, 3, (4,))
+        torch.nn.functional.cross_entropy(mine(x), y).backward()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        for p, q in zip(ref.parameters(), mine.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+        assert _registration.ONNXRegistry.__dict__["from_torchlib"] is original
+    assert export_module._TORCHLIB_REGISTRIES, "no registry was cached"
+    for registry in export_module._TORCHLIB_REGISTRIES.values():
+        assert not any(meta.is_custom for metas in registry.functions.values() for meta in metas)

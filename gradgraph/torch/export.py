@@ -437,6 +437,44 @@ def _quiet_exporter_logs() -> Iterator[None]:
             lg.setLevel(level)
 
 
+_TORCHLIB_REGISTRIES: dict[Any, Any] = {}  # opset version -> torch's registry of torchlib's translations
+
+
+@contextlib.contextmanager
+def _torchlib_registry_once() -> Iterator[None]:
+    """torch.onnx.export builds its registry of torchlib's translations on every call (~4,000
+    onnxscript functions parsed from their source: 1-2 s, half of a small module's export).
+    While the block runs, each call gets a copy of one registry built once per opset (its own
+    dict and lists: the call then adds its custom translations to that copy only)."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:  # another torch layout: every call builds its own, as torch does
+        yield
+        return
+    cls = _registration.ONNXRegistry
+    original = cls.__dict__.get("from_torchlib")
+    if not isinstance(original, classmethod):
+        yield
+        return
+    build = original.__func__
+
+    def from_torchlib(klass: Any, *args: Any, **kwargs: Any) -> Any:
+        key = (klass, args, tuple(sorted(kwargs.items())))
+        if key not in _TORCHLIB_REGISTRIES:
+            _TORCHLIB_REGISTRIES[key] = build(klass, *args, **kwargs)
+        base = _TORCHLIB_REGISTRIES[key]
+        copy = klass.__new__(klass)
+        copy.__dict__.update(base.__dict__)
+        copy.functions = {target: list(metas) for target, metas in base.functions.items()}
+        return copy
+
+    cls.from_torchlib = classmethod(from_torchlib)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        cls.from_torchlib = original  # type: ignore[method-assign,assignment]
+
+
 def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training: bool,
             opset: int, dynamic: list[dict[int, str]] | None) -> onnx.ModelProto:
     sink = io.StringIO()
@@ -452,9 +490,10 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
             shapes = None
             if dynamic:  # the wrapper takes *tensors: one tuple of per-input specs
                 shapes = (tuple({axis: torch.export.Dim.AUTO for axis in axes} for axes in dynamic),)
-            program = torch.onnx.export(flat, tensors, None, input_names=names, dynamo=True,
-                                        optimize=False, custom_translation_table=table,
-                                        opset_version=opset, dynamic_shapes=shapes)
+            with _torchlib_registry_once():
+                program = torch.onnx.export(flat, tensors, None, input_names=names, dynamo=True,
+                                            optimize=False, custom_translation_table=table,
+                                            opset_version=opset, dynamic_shapes=shapes)
             if program is None:
                 raise ExportFailed("torch.onnx.export(dynamo=True) returned no program")
             program.save(path, external_data=False)
