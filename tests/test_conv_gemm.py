@@ -25,7 +25,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 from onnx_ir.passes.common import RemoveUnusedNodesPass
@@ -97,14 +97,14 @@ def conv_cases(draw, extra: int = 4):
     return [batch, cin, *spatial], [cout, cin // group, *kernel], attrs, auto_pad, pads
 
 
-def _conv_model(xshape, wshape, attrs, loss: bool) -> onnx.ModelProto:
+def _conv_model(xshape, wshape, attrs, loss: bool, dtype: int = TensorProto.DOUBLE) -> onnx.ModelProto:
     nodes = [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)]
-    inputs = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, s) for n, s in (("x", xshape), ("w", wshape))]
-    outputs = [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)]
+    inputs = [helper.make_tensor_value_info(n, dtype, s) for n, s in (("x", xshape), ("w", wshape))]
+    outputs = [helper.make_tensor_value_info("y", dtype, None)]
     if loss:
         nodes += [helper.make_node("Mul", ["y", "r"], ["yr"]), helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)]
-        inputs.append(helper.make_tensor_value_info("r", TensorProto.DOUBLE, None))
-        outputs = [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])]
+        inputs.append(helper.make_tensor_value_info("r", dtype, None))
+        outputs = [helper.make_tensor_value_info("loss", dtype, [])]
     graph = helper.make_graph(nodes, "conv", inputs, outputs)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=9)
 
@@ -175,6 +175,57 @@ def test_weight_gradient_matches_torch(case):
     got = _session(ir.to_proto(model)).run(["w_grad"], {"x": x, "w": w, "r": r})[0]
     assert tw.grad is not None
     np.testing.assert_allclose(got, tw.grad.numpy(), atol=FLOAT64_ATOL, rtol=FLOAT64_RTOL)
+
+
+def _input_gradient(xshape, wshape, attrs, x, w, r) -> tuple[np.ndarray, set[str]]:
+    """dX in float32 (onnxruntime's CPU Conv and ConvTranspose have no float64 kernel)."""
+    model = build_gradient_graph(_conv_model(xshape, wshape, attrs, loss=True, dtype=TensorProto.FLOAT),
+                                 "loss", ["x"])
+    feeds = {"x": x.astype(np.float32), "w": w.astype(np.float32), "r": r.astype(np.float32)}
+    return _session(model).run(["x_grad"], feeds)[0], {n.op_type for n in model.graph.node}
+
+
+def _close_to_float64(got: np.ndarray, want: np.ndarray) -> None:
+    """float32 sums of at most a few hundred products of unit normals: rel 1e-4 of the largest."""
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+
+
+@SETTINGS
+@given(conv_cases())
+def test_input_gradient_matches_torch(case):
+    """The Conv rule's input gradient (float32) is torch's float64 dX: with stride 1 a Conv of
+    dY with the flipped, channel-swapped kernel (no ConvTranspose), else a ConvTranspose and a
+    crop."""
+    xshape, wshape, attrs, auto_pad, pads = case
+    # onnxruntime's forward Conv refuses dilations with SAME_* (the weight test rewrites it away)
+    assume(not (auto_pad.startswith("SAME") and any(d > 1 for d in attrs["dilations"])))
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal(xshape), rng.standard_normal(wshape)
+    full_pads = _onnx_pads(auto_pad, pads, xshape[2:], wshape[2:], attrs["strides"], attrs["dilations"])
+    tx = torch.tensor(x, requires_grad=True)
+    y = _torch_conv(tx, torch.tensor(w), full_pads, attrs["strides"], attrs["dilations"], attrs["group"])
+    r = rng.standard_normal(tuple(y.shape))
+    (y * torch.tensor(r)).sum().backward()
+    got, ops = _input_gradient(xshape, wshape, attrs, x, w, r)
+    assert tx.grad is not None
+    _close_to_float64(got, tx.grad.numpy())
+    assert ("ConvTranspose" in ops) == any(s != 1 for s in attrs["strides"]), ops
+
+
+def test_input_gradient_with_a_pad_wider_than_the_window_keeps_the_transpose():
+    """A forward pad of 3 on a 2-tap kernel: the Conv form would need a negative pad."""
+    xshape, wshape = [2, 3, 5, 6], [4, 3, 2, 2]
+    attrs = dict(strides=[1, 1], dilations=[1, 1], group=1, kernel_shape=[2, 2], pads=[3, 0, 1, 3])
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal(xshape), rng.standard_normal(wshape)
+    tx = torch.tensor(x, requires_grad=True)
+    y = _torch_conv(tx, torch.tensor(w), attrs["pads"], [1, 1], [1, 1], 1)
+    r = rng.standard_normal(tuple(y.shape))
+    (y * torch.tensor(r)).sum().backward()
+    got, ops = _input_gradient(xshape, wshape, attrs, x, w, r)
+    assert tx.grad is not None
+    _close_to_float64(got, tx.grad.numpy())
+    assert "ConvTranspose" in ops
 
 
 # ---- 2. pools whose windows tile the input -------------------------------------------------
