@@ -2,7 +2,7 @@
 
     python tools/profile_ortmodule.py [--models bert,gpt2] [--device cpu|cuda] [--steps 20] [--top-nodes N]
 
-For each model of the peer's benchmark set (../shared/peer/models_def.py; set
+For each model of the training benchmark (tools/bench_training.py: the peer's set in ../shared/peer, set
 GRADGRAPH_PEER_DIR elsewhere): the median forward / backward / optimizer milliseconds of
 PyTorch eager and of ``ORTModule`` (each phase timed to its end: ``torch.cuda.synchronize()``
 on a GPU), then for each onnxruntime session ORTModule built: its node count, the median of
@@ -103,7 +103,7 @@ def main() -> None:
     if not (PEER / "models_def.py").exists():
         sys.exit(f"peer material not found at {PEER} (set GRADGRAPH_PEER_DIR)")
     sys.path.insert(0, str(PEER))
-    import models_def  # noqa: PLC0415 - the peer's module, found at run time
+    import bench_training  # noqa: PLC0415 - tools/ is not a package
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -128,7 +128,7 @@ def main() -> None:
     for name in args.models.split(","):
         sessions.clear()
         torch.manual_seed(0)
-        module, batch, _ = models_def.build(name)
+        module, batch, _ = bench_training.build_model(name)  # the peer's models and the CNNs
         module.to(device).train()
         batch = tuple(t.to(device) for t in batch)
         medians = {}
