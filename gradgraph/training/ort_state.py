@@ -48,7 +48,7 @@ class StateStore:
         self.device = device
         self.device_id = device_id
         self.values: dict[str, ort.OrtValue] = {}
-        self.version = 0  # counts the values set from outside the runs (see update_bounds)
+        self.versions: dict[str, int] = {}  # times each value was set from outside the runs
         self._spares: dict[str, ort.OrtValue] = {}
         # Runners whose kept IOBindings hold this store's OrtValues: told when one is replaced.
         self._runners: weakref.WeakSet[GraphRunner] = weakref.WeakSet()
@@ -65,7 +65,7 @@ class StateStore:
         own = owned and array.flags.writeable and array.flags.c_contiguous
         array = array if own else np.array(array, order="C", copy=True)
         self.values[name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
-        self.version += 1
+        self.versions[name] = self.versions.get(name, 0) + 1
         self._spares.pop(name, None)
         for runner in self._runners:  # their bindings would keep the replaced value alive
             runner.forget_bindings()

@@ -238,7 +238,7 @@ class TrainingSession:
         self._proof: UpdateProof | None = None
         self._front_updated: list[str] = []  # held inputs of the update that the gradient run writes
         self._bounds: dict[str, Interval] | None = None  # of the held inputs of the update
-        self._bounds_version = -1  # the store's version they were measured at
+        self._bounds_at: dict[str, int] = {}  # the store's version of each when it was measured
         self._proof_wait = self._proof_backoff = 0  # steps to check before trying to prove again
         self.proven_updates = 0  # applied steps whose check run was skipped (see update_bounds)
         if self._split is not None:
@@ -359,10 +359,12 @@ class TrainingSession:
         return state
 
     def get_state_views(self) -> dict[str, np.ndarray]:
-        """``get_state()`` without copies: views of the held buffers (CPU; a device's are
-        copied to the host), valid until the next step (save them before it)."""
+        """``get_state()`` without copies: read-only views of the held buffers (CPU; a device's
+        are copied to the host), valid until the next step (save them before it)."""
         views = self.store.view if self.store.device == "cpu" else self.store.get
         state = {n: views(n) for n in self.store.names()}
+        for array in state.values():  # a write into the session's buffers would bypass its
+            array.flags.writeable = False  # bookkeeping (the update's bounds): load_state instead
         state[MICRO_STEP_KEY] = np.array(self.micro_step, np.int64)
         if self._dp is not None:
             state.update(self._dp.checkpoint_state())
@@ -452,15 +454,15 @@ class TrainingSession:
                 assert self._split is not None and self._update is not None
                 carried = {n: out.pop(n) for n in self._split.carried}
                 update_feeds = {names.learning_rate: feeds[names.learning_rate], **carried}
-                proven = bool(out[flag]) and self._prove_update(update_feeds)
-                if bool(out[flag]) and not proven and \
+                after = self._prove_update(update_feeds) if bool(out[flag]) else None
+                self._bounds = None  # the held values are measured again, unless the update runs
+                if bool(out[flag]) and after is None and \
                         not bool(self._check_runner().run(self.store, update_feeds, [FLAG])[FLAG]):
                     out[flag] = np.asarray(False)  # the update would overflow: skipped
                 if bool(out[flag]):
                     self._update.run(self.store, update_feeds, [])
-                    self.proven_updates += proven
-                if not proven:
-                    self._bounds = None  # the held values are measured again before a proof
+                    self.proven_updates += after is not None
+                    self._bounds = after  # the proof's bounds of what the update wrote
                 del carried, update_feeds  # the gradients go back to onnxruntime's arena
         except _RUN_ERRORS as exc:
             raise _run_error(exc, "the training step") from exc
@@ -470,22 +472,25 @@ class TrainingSession:
             self.skipped_steps += not self.last_step_finite
         return self._loss_value(out, loss, fetches)
 
-    def _prove_update(self, feeds: Mapping[str, Any]) -> bool:
-        """Whether the update is proven finite from bounds (see update_bounds); on success the
-        bounds of the updated held values are those the proof gives, else measured again later."""
+    def _prove_update(self, feeds: Mapping[str, Any]) -> dict[str, Interval] | None:
+        """The bounds of the held values the update reads, as they will be after it, when the
+        update is proven finite from bounds (see update_bounds); else None. A held value set
+        from outside since its bounds were taken (its version in the store changed), and every
+        value each PROOF_REMEASURE steps, is measured again."""
         proof = self._proof
         if proof is None:
-            return False
+            return None
         if self._proof_wait > 0:
             self._proof_wait -= 1
-            return False
-        measured = self._bounds is None or self._bounds_version != self.store.version \
-            or self.step % PROOF_REMEASURE == 0
-        if measured:
-            self._bounds = {n: array_bounds(self.store.view(n)) for n in self._update_held()}
-            self._bounds_version = self.store.version
-        assert self._bounds is not None
-        bounds: dict[str, Interval] = dict(self._bounds)
+            return None
+        versions = self.store.versions
+        known = {} if self._bounds is None or self.step % PROOF_REMEASURE == 0 else dict(self._bounds)
+        held = self._update_held()
+        stale = [n for n in held if n not in known or self._bounds_at.get(n) != versions.get(n, 0)]
+        for name in stale:
+            known[name] = array_bounds(self.store.view(name))
+            self._bounds_at[name] = versions.get(name, 0)
+        bounds: dict[str, Interval] = dict(known)
         for name in self._front_updated:  # written by the gradient run: read as they are now
             bounds[name] = array_bounds(self.store.view(name))
         for name, value in feeds.items():
@@ -493,14 +498,13 @@ class TrainingSession:
             bounds[name] = array_bounds(array)
         result = proof.prove(bounds)
         if result is None:
-            if measured:  # even fresh bounds prove nothing: check a while before trying again
+            if len(stale) == len(held):  # even fresh bounds prove nothing: check a while
                 self._proof_backoff = min(max(1, 2 * self._proof_backoff), PROOF_MAX_WAIT)
                 self._proof_wait = self._proof_backoff
-            return False
+            return None
         self._proof_backoff = 0
         updated = self.names.updated
-        self._bounds = {n: result.get(updated(n), b) for n, b in self._bounds.items()}
-        return True
+        return {n: result.get(updated(n), b) for n, b in known.items()}
 
     def _check_runner(self) -> GraphRunner:
         """The session of the update's finite check (:func:`finite_check`), made once needed."""

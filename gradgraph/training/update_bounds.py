@@ -36,18 +36,26 @@ EPS32 = 2.0 ** -23
 SUBNORMAL = 1e-44  # above float32's spacing of subnormal numbers (1.4e-45)
 TINY = 1e-30  # a divisor's smallest magnitude that is trusted to stay non-zero after rounding
 MARGIN = 0.5  # a float value is proven finite within this share of its type's range
+# The float types the rounding model (ROUND, SUBNORMAL) covers: a graph with a value of any other
+# float type (float16, bfloat16, float8: coarser rounding, values flushed to 0) is not proven.
 LIMITS: dict[int, float] = {
     TensorProto.FLOAT: float(np.finfo(np.float32).max),
     TensorProto.DOUBLE: float(np.finfo(np.float64).max),
-    TensorProto.FLOAT16: float(np.finfo(np.float16).max),
-    TensorProto.BFLOAT16: 3.3895313892515355e38,
 }
+INTEGERS: dict[int, tuple[float, float]] = {
+    t: (float(np.iinfo(d).min), float(np.iinfo(d).max)) for t, d in (
+        (TensorProto.INT8, np.int8), (TensorProto.INT16, np.int16), (TensorProto.INT32, np.int32),
+        (TensorProto.INT64, np.int64), (TensorProto.UINT8, np.uint8), (TensorProto.UINT16, np.uint16),
+        (TensorProto.UINT32, np.uint32), (TensorProto.UINT64, np.uint64))
+}
+# Ops whose integer result is exact (no rounding, no truncation) while it stays in range.
+EXACT_INTEGER_OPS = frozenset({"Add", "Sub", "Mul", "Neg", "Abs", "Max", "Min", "Sum", "Identity", "Reshape",
+                               "Squeeze", "Unsqueeze", "Concat", "Gather", "Slice", "Expand", "Constant"})
 BOOL_OPS = frozenset({"Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "And", "Or", "Not",
                       "Xor", "IsNaN", "IsInf"})
 # Ops whose outputs hold elements of their first input (or, for Concat, of any input).
 MOVE_OPS = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Transpose",
-                      "Slice", "Split", "Gather", "GatherElements", "Tile", "Concat", "ReduceMax",
-                      "ReduceMin"})
+                      "Slice", "Split", "Gather", "GatherElements", "Tile", "Concat"})
 
 
 def _widen(lo: float, hi: float) -> Interval:
@@ -181,12 +189,32 @@ class UpdateProof:
         self.initializers = {t.name: numpy_helper.to_array(t) for t in graph.initializer
                              if int(np.prod(t.dims)) <= 1 << 16}
         self.outputs = [o.name for o in graph.output]
+        self.inputs = [i.name for i in graph.input]
 
     def _limit(self, name: str) -> float:
-        return LIMITS.get(self.types.get(name, TensorProto.FLOAT16), 0.0) * MARGIN
+        return LIMITS.get(self.types.get(name, TensorProto.UNDEFINED), 0.0) * MARGIN
 
-    def _is_float(self, name: str) -> bool:
-        return self.types.get(name, TensorProto.FLOAT16) in LIMITS
+    def _within(self, name: str, interval: Interval, op: str = "") -> Interval | None:
+        """``interval`` as the value ``name`` holds it (an integer's rounded outward), or None
+        where the value may be non-finite, out of its type's range, or of a type the proof
+        does not model (float16 and other floats, unknown: nothing is proven)."""
+        dtype = self.types.get(name, TensorProto.UNDEFINED)
+        lo, hi = interval
+        if dtype in LIMITS:
+            limit = self._limit(name)
+            return interval if -limit <= lo <= hi <= limit else None
+        if dtype in INTEGERS:
+            low, high = INTEGERS[dtype]
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                return UNKNOWN  # an unbounded integer: only a float computed from it fails
+            if op in EXACT_INTEGER_OPS and max(abs(lo), abs(hi)) < 2.0 ** 18:
+                lo, hi = round(lo), round(hi)  # an integer widened by far less than 1/2
+            else:
+                lo, hi = math.floor(lo), math.ceil(hi)  # a division or a cast truncates
+            return (lo, hi) if low <= lo <= hi <= high else UNKNOWN  # overflow wraps
+        if dtype == TensorProto.BOOL:
+            return 0.0, 1.0
+        return None
 
     def prove(self, bounds: Mapping[str, Interval]) -> dict[str, Interval] | None:
         """The outputs' intervals when the whole update is proven finite, else None."""
@@ -195,16 +223,20 @@ class UpdateProof:
             if array.size and array.dtype.kind in "fiub":
                 values = array.astype(np.float64)
                 known.setdefault(name, (float(values.min()), float(values.max())))
+        for name in self.inputs:  # an input the proof has no bound of is unknown
+            checked = self._within(name, known.get(name, UNKNOWN))
+            if checked is None:
+                return None
+            known[name] = checked
         for node in self.nodes:
             results = self._node(node, known)
             for out, interval in zip(node.output, results):
                 if not out:
                     continue
-                if self._is_float(out):
-                    limit = self._limit(out)
-                    if not (-limit <= interval[0] <= interval[1] <= limit):
-                        return None
-                known[out] = interval
+                checked = self._within(out, interval, node.op_type)
+                if checked is None:
+                    return None
+                known[out] = checked
         return {o: known.get(o, UNKNOWN) for o in self.outputs}
 
     def _node(self, node: onnx.NodeProto, known: Mapping[str, Interval]) -> list[Interval]:
@@ -226,9 +258,7 @@ class UpdateProof:
             to = next(attr.i for attr in node.attribute if attr.name == "to")
             if to == TensorProto.BOOL:
                 return [(0.0, 1.0)]
-            if to in LIMITS:
-                return [a]
-            return [(math.floor(a[0]), math.ceil(a[1])) if all(map(math.isfinite, a)) else UNKNOWN]
+            return [_widen(*a)]  # a float's rounding; an integer's is floored in _node's caller
         if a is None:
             return [UNKNOWN] * n_out
         if op in ("Add", "Sum", "Mean"):
@@ -250,6 +280,11 @@ class UpdateProof:
             return [(pick(x[0] for x in present), pick(x[1] for x in present))]
         if op == "Clip":
             lo, hi = a
+            floats = {attr.name: attr.f for attr in node.attribute if attr.name in ("min", "max")}
+            if "min" in floats:  # opset 6-10: the bounds are attributes
+                lo, hi = max(lo, floats["min"]), max(hi, floats["min"])
+            if "max" in floats:
+                lo, hi = min(lo, floats["max"]), min(hi, floats["max"])
             if b is not None:  # Clip(x, low, high) = Min(Max(x, low), high)
                 lo, hi = max(lo, b[0]), max(hi, b[1])
             top = args[2] if len(args) > 2 else None
@@ -274,12 +309,17 @@ class UpdateProof:
         if op in unary:
             return [unary[op](a)]
         size = self.sizes.get(node.input[0], INF)
+        if op in ("ReduceMax", "ReduceMin"):  # of an empty tensor: -inf / inf
+            return [a if 0 < size < INF else UNKNOWN]
         if op in ("ReduceSum", "ReduceMean"):
             total = _reduce_sum(a, size)  # a mean is a sum divided: the sum must stay finite too
             if op == "ReduceSum":
                 return [total]
             limit = self._limit(node.input[0])
-            return [a if -limit <= total[0] <= total[1] <= limit else UNKNOWN]
+            if not -limit <= total[0] <= total[1] <= limit:
+                return [UNKNOWN]
+            error = max(abs(a[0]), abs(a[1])) * size * EPS32  # the sum's rounding, divided by n
+            return [_widen(a[0] - error, a[1] + error)]
         if op in ("ReduceSumSquare", "ReduceL2"):
             total = _reduce_sum(_square(a), size)
             return [total if op == "ReduceSumSquare" else _sqrt(total)]
