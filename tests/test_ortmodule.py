@@ -337,3 +337,24 @@ def test_the_exporters_registry_is_built_once_and_each_export_adds_to_a_copy():
     assert export_module._TORCHLIB_REGISTRIES, "no registry was cached"
     for registry in export_module._TORCHLIB_REGISTRIES.values():
         assert not any(meta.is_custom for metas in registry.functions.values() for meta in metas)
+
+
+def test_the_exports_copy_of_the_weights_is_released_after_the_first_run():
+    """After a signature's first run the engine's exported ModelProto holds none of the
+    module's parameters (the sessions read torch's tensors: the copy was 1x the weights of
+    resident memory for the module's lifetime); training goes on equal to PyTorch, and a new
+    signature exports afresh."""
+    torch.manual_seed(3)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    mine = ORTModule(copy.deepcopy(ref))
+    for batch in (4, 4, 7):  # the third call: another signature
+        x = torch.randn(batch, 6)
+        mine(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for p, q in zip(ref.parameters(), mine.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+    engines = list(mine._engines.values())
+    assert engines
+    for engine in engines:
+        held = set(engine.exported.parameters) | set(engine.exported.buffers)
+        assert held and not held & {t.name for t in engine.exported.model.graph.initializer}

@@ -123,6 +123,31 @@ class ExportedCall:
     # call's side effects, for the caller to apply where it runs the graph
     attr_changes: list[tuple[torch.nn.Module, str, Any]] = dataclasses.field(default_factory=list)
 
+    def release_weights(self) -> None:
+        """Drop the parameters' and buffers' data from ``model`` (a new ModelProto without
+        those initializers: protobuf frees a message's memory with the whole message only).
+        Called once the signature's graphs ran: the sessions read the module's tensors, and
+        the exporter's copy of every weight would stay beside torch's (1x the weights more)."""
+        held = set(self.parameters) | set(self.buffers)
+        if not any(t.name in held for t in self.model.graph.initializer):
+            return
+        old, slim = self.model, onnx.ModelProto()
+        slim.ir_version, slim.producer_name, slim.producer_version = \
+            old.ir_version, old.producer_name, old.producer_version
+        slim.domain, slim.model_version, slim.doc_string = old.domain, old.model_version, old.doc_string
+        slim.opset_import.extend(old.opset_import)
+        slim.metadata_props.extend(old.metadata_props)
+        slim.functions.extend(old.functions)
+        graph = old.graph
+        slim.graph.name, slim.graph.doc_string = graph.name, graph.doc_string
+        slim.graph.node.extend(graph.node)
+        slim.graph.input.extend(graph.input)
+        slim.graph.output.extend(graph.output)
+        slim.graph.value_info.extend(graph.value_info)
+        slim.graph.initializer.extend(t for t in graph.initializer if t.name not in held)
+        slim.graph.sparse_initializer.extend(graph.sparse_initializer)
+        self.model = slim
+
     @property
     def n_outputs(self) -> int:
         """The module's own tensor outputs (graph outputs before the buffer updates)."""
@@ -496,7 +521,11 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
                                             opset_version=opset, dynamic_shapes=shapes)
             if program is None:
                 raise ExportFailed("torch.onnx.export(dynamo=True) returned no program")
-            program.save(path, external_data=False)
+            # the program's own onnx_ir model (its weights the module's tensors, not copies):
+            # one copy into the ModelProto, where saving and loading a file made three
+            graph = common_passes.RemoveUnusedNodesPass()(program.model).model  # embedding_bag's extras
+            _attention_dropout_in_training(graph, legacy=False)
+            return ir.to_proto(graph)
         elif which == "legacy":
             # PRESERVE: TRAINING / EVAL would set every submodule to one mode (a frozen BatchNorm
             # in eval mode inside a training model exported in training mode), and afterwards set
@@ -518,12 +547,7 @@ def _export(flat: _Flat, tensors: tuple, names: list[str], which: str, training:
                                    f"{frozen[0].lineno} ({first})")
         else:
             raise ValueError(f"exporter must be 'auto', 'dynamo' or 'legacy', not {which!r}")
-        model = onnx.load(path)
-        if which == "dynamo":  # translations' unused outputs (embedding_bag's) go
-            graph = common_passes.RemoveUnusedNodesPass()(ir.from_proto(model)).model
-            _attention_dropout_in_training(graph, legacy=False)
-            return ir.to_proto(graph)
-        graph = ir.from_proto(model)
+        graph = ir.from_proto(onnx.load(path))
         _attention_dropout_in_training(graph, legacy=True)
         return ir.to_proto(graph)
 

@@ -414,6 +414,7 @@ class ORTModule(torch.nn.Module):
             return self._instead(exc, [k for k, e in self._engines.items() if e is engine], resign, args,
                                  kwargs, depth=1)
         engine.first_run = False
+        engine.exported.release_weights()  # the export's copy of the weights: no longer needed
         state = _attr_state(self.module)
         apply_changes(engine.exported.attr_changes)
         engine.exported.attr_changes = []
