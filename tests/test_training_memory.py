@@ -59,7 +59,7 @@ def test_in_place_step_equals_spare_step(model_bytes: bytes, monkeypatch: pytest
     assert in_place._split is not None and in_place._update is not None
     held = set(in_place.artifacts.params) | {in_place.names.state(w, s) for w, states in
                                               in_place.artifacts.optimizer_state.items() for s in states}
-    assert held <= in_place._update.inplace  # weights and moments have no spare
+    assert held <= in_place._update.runner.inplace  # weights and moments have no spare
     with monkeypatch.context() as patch:
         _one_graph_with_spares(patch)
         spare = gradgraph.TrainingSession(model_bytes, config, providers=CPU)
@@ -94,7 +94,7 @@ def test_the_update_sessions_threads_do_not_spin(model_bytes: bytes) -> None:
     session = gradgraph.TrainingSession(model_bytes, gradgraph.TrainingConfig("loss", gradgraph.AdamWConfig()),
                                         providers=CPU)
     assert session._update is not None
-    for runner in (session._check_runner(), session._update):
+    for runner in (session._update.check_runner(), session._update.runner):
         options = runner.session.get_session_options()
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 

@@ -62,17 +62,18 @@ def _session(model_bytes: bytes, case: str, fuse_below: int = 0, clip: float | N
         _SESSIONS[key] = session
         shapes: dict[str, tuple[int, ...]] = {}  # of the update's inputs, from one real step
         ints: dict[str, np.ndarray] = {}
-        prove = session._prove_update
+        assert session._update is not None
+        prove = session._update.prove
 
-        def recording(feeds):
+        def recording(feeds, step):
             for name, value in feeds.items():
                 array = np.array(value.numpy() if isinstance(value, ort.OrtValue) else value)
                 shapes[name] = array.shape
                 if array.dtype.kind == "i":
                     ints[name] = array
-            return prove(feeds)
+            return prove(feeds, step)
 
-        session._prove_update = recording  # type: ignore[method-assign]
+        session._update.prove = recording  # type: ignore[method-assign]
         session.train_step(mlp_batches(1)[0], lr=1e-2)
         _SHAPES[key], _INTS[key] = shapes, ints
     return _SESSIONS[key]
@@ -191,7 +192,7 @@ def test_proven_steps_train_like_checked_steps(model_bytes: bytes, case: str) ->
     batches = mlp_batches(6)
     proven = _session(model_bytes, case, clip=1.0)
     checked = _session(model_bytes, case, clip=1.0)
-    checked._proof = None
+    checked._update.proof = None  # every step checked
     for feeds in batches:
         proven.train_step(feeds, lr=1e-2)
         checked.train_step(feeds, lr=1e-2)

@@ -57,26 +57,22 @@ from gradgraph.training.checkpoint import (  # MICRO_STEP_KEY re-exported: its p
     write_checkpoint,
 )
 from gradgraph.training.distributed import DataParallelRunner, DistributedConfig
+from gradgraph.training.guarded_update import GuardedUpdate
 from gradgraph.training.ort_state import (
     GraphRunner,
     StateStore,
     copy_session_options,
     release_free_memory,
-    side_session_options,
     type_proto,
 )
 from gradgraph.training.parameters import TrainingParameters
 from gradgraph.training.precision_warning import warn_if_emulated
 from gradgraph.training.step_split import (
-    FLAG,
     StepSplit,
-    finite_check,
-    reusable_inputs,
     split_at_guard,
     typed_inputs,
     writable_in_place,
 )
-from gradgraph.training.update_bounds import Interval, UpdateProof, array_bounds
 from passes.autodiff import GradientError
 
 logger = logging.getLogger("gradgraph.training")
@@ -85,8 +81,6 @@ _DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 _RUN_ERRORS = (RuntimeError, ort_errors.Fail, ort_errors.InvalidArgument, ort_errors.RuntimeException)
 # Names listed in messages about a checkpoint's tensors.
 _LISTED = 4
-PROOF_REMEASURE = 1024  # steps between measurements of the held values' bounds (see update_bounds)
-PROOF_MAX_WAIT = 64  # the most steps checked before trying to prove an update finite again
 
 
 def _provider_names(providers: Sequence[Any] | None) -> list[Any]:
@@ -233,36 +227,13 @@ class TrainingSession:
             self._train = GraphRunner(train, *_with_optimized_path(args, written_by_ort),
                                       inplace=self._in_place(train, held, "training step"),
                                       carried=self._split.carried if self._split is not None else ())
-        self._update: GraphRunner | None = None
-        self._check: GraphRunner | None = None
-        self._proof: UpdateProof | None = None
-        self._front_updated: list[str] = []  # held inputs of the update that the gradient run writes
-        self._bounds: dict[str, Interval] | None = None  # of the held inputs of the update
-        self._bounds_at: dict[str, int] = {}  # the store's version of each when it was measured
-        self._proof_wait = self._proof_backoff = 0  # steps to check before trying to prove again
-        self.proven_updates = 0  # applied steps whose check run was skipped (see update_bounds)
+        # The update, run only when it keeps every weight and state finite (guarded_update).
+        self._update: GuardedUpdate | None = None
         if self._split is not None:
             typed_inputs(self._split.update, {o.name: type_proto(o) for o in self._train.session.get_outputs()})
-            # A step whose update would make a weight or state non-finite is skipped too: the
-            # update is computed once without writing anything, its results only checked
-            # (self._check_runner, its session made when first needed). Its temporaries share
-            # the update's arena (an arena of its own would keep another update's worth).
-            # Most steps skip that check: their update is proven finite from bounds (CPU: the
-            # bounds are read from the buffers themselves, see update_bounds).
-            self._check_args = (held, self.names, side_session_options(sess_options), self.providers,
-                                provider_options)
-            if self.store.device == "cpu":
-                self._proof = UpdateProof(self._split.update)
-                front = {o.name for o in self._split.gradients.graph.output}
-                self._front_updated = [n for n in self._update_held() if self.names.updated(n) in front]
-            # The update's temporaries (a few tensors of one weight's size) stay in its arena
-            # between steps: without the arena, the peak is the same and the step 1.46x slower
-            # (AdamW on 4 x 64 MiB, interleaved in one process: fresh pages every step).
-            self._update = GraphRunner(self._split.update, held, self.names,
-                                       side_session_options(sess_options), self.providers,
-                                       provider_options,
-                                       inplace=self._in_place(self._split.update, held, "update"),
-                                       reuse=reusable_inputs(self._split.update, self._split.carried))
+            self._update = GuardedUpdate(self._split, self.store, held, self.names, sess_options,
+                                         self.providers, provider_options,
+                                         self._in_place(self._split.update, held, "update"))
         self._accumulate = None if art.accumulate is None else GraphRunner(
             art.accumulate, *args, inplace=self._in_place(art.accumulate, held, "accumulation"))
         # The eval graph's session is made at the first eval_step: a training run that never
@@ -454,15 +425,8 @@ class TrainingSession:
                 assert self._split is not None and self._update is not None
                 carried = {n: out.pop(n) for n in self._split.carried}
                 update_feeds = {names.learning_rate: feeds[names.learning_rate], **carried}
-                after = self._prove_update(update_feeds) if bool(out[flag]) else None
-                self._bounds = None  # the held values are measured again, unless the update runs
-                if bool(out[flag]) and after is None and \
-                        not bool(self._check_runner().run(self.store, update_feeds, [FLAG])[FLAG]):
+                if bool(out[flag]) and not self._update.apply(update_feeds, self.step):
                     out[flag] = np.asarray(False)  # the update would overflow: skipped
-                if bool(out[flag]):
-                    self._update.run(self.store, update_feeds, [])
-                    self.proven_updates += after is not None
-                    self._bounds = after  # the proof's bounds of what the update wrote
                 del carried, update_feeds  # the gradients go back to onnxruntime's arena
         except _RUN_ERRORS as exc:
             raise _run_error(exc, "the training step") from exc
@@ -472,50 +436,10 @@ class TrainingSession:
             self.skipped_steps += not self.last_step_finite
         return self._loss_value(out, loss, fetches)
 
-    def _prove_update(self, feeds: Mapping[str, Any]) -> dict[str, Interval] | None:
-        """The bounds of the held values the update reads, as they will be after it, when the
-        update is proven finite from bounds (see update_bounds); else None. A held value set
-        from outside since its bounds were taken (its version in the store changed), and every
-        value each PROOF_REMEASURE steps, is measured again."""
-        proof = self._proof
-        if proof is None:
-            return None
-        if self._proof_wait > 0:
-            self._proof_wait -= 1
-            return None
-        versions = self.store.versions
-        known = {} if self._bounds is None or self.step % PROOF_REMEASURE == 0 else dict(self._bounds)
-        held = self._update_held()
-        stale = [n for n in held if n not in known or self._bounds_at.get(n) != versions.get(n, 0)]
-        for name in stale:
-            known[name] = array_bounds(self.store.view(name))
-            self._bounds_at[name] = versions.get(name, 0)
-        bounds: dict[str, Interval] = dict(known)
-        for name in self._front_updated:  # written by the gradient run: read as they are now
-            bounds[name] = array_bounds(self.store.view(name))
-        for name, value in feeds.items():
-            array = value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
-            bounds[name] = array_bounds(array)
-        result = proof.prove(bounds)
-        if result is None:
-            if len(stale) == len(held):  # even fresh bounds prove nothing: check a while
-                self._proof_backoff = min(max(1, 2 * self._proof_backoff), PROOF_MAX_WAIT)
-                self._proof_wait = self._proof_backoff
-            return None
-        self._proof_backoff = 0
-        updated = self.names.updated
-        return {n: result.get(updated(n), b) for n, b in known.items()}
-
-    def _check_runner(self) -> GraphRunner:
-        """The session of the update's finite check (:func:`finite_check`), made once needed."""
-        if self._check is None:
-            assert self._split is not None
-            self._check = GraphRunner(finite_check(self._split.update), *self._check_args)
-        return self._check
-
-    def _update_held(self) -> list[str]:
-        assert self._split is not None
-        return [i.name for i in self._split.update.graph.input if i.name in self.store]
+    @property
+    def proven_updates(self) -> int:
+        """Applied steps whose update was proven finite from bounds (no check run)."""
+        return self._update.proven if self._update is not None else 0
 
     @staticmethod
     def _loss_value(out: dict[str, np.ndarray], loss: str,
