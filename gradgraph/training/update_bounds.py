@@ -146,9 +146,7 @@ def _constant(node: onnx.NodeProto) -> Interval:
     for attr in node.attribute:
         if attr.name == "value":
             array = numpy_helper.to_array(attr.t)
-        elif attr.name in ("value_float", "value_int"):
-            array = np.asarray(onnx.helper.get_attribute_value(attr))
-        elif attr.name in ("value_floats", "value_ints"):
+        elif attr.name in ("value_float", "value_int", "value_floats", "value_ints"):
             array = np.asarray(onnx.helper.get_attribute_value(attr))
         else:
             return UNKNOWN
@@ -159,6 +157,20 @@ def _constant(node: onnx.NodeProto) -> Interval:
         lo, hi = float(np.min(array)), float(np.max(array))
         return UNKNOWN if math.isnan(lo) or math.isnan(hi) else (lo, hi)
     return UNKNOWN
+
+
+_UNARY: dict[str, Callable[[Interval], Interval]] = {
+    "Neg": lambda x: (-x[1], -x[0]),
+    "Abs": lambda x: (0.0 if x[0] <= 0.0 <= x[1] else min(abs(x[0]), abs(x[1])), max(abs(x[0]), abs(x[1]))),
+    "Sqrt": _sqrt,
+    "Reciprocal": lambda x: _div((1.0, 1.0), x),
+    "Sign": lambda x: (float(np.sign(x[0])), float(np.sign(x[1]))),
+    "Exp": lambda x: _monotone(_exp, x),
+    "Log": _log,
+    "Tanh": lambda x: _monotone(math.tanh, x),
+    "Sigmoid": lambda x: (0.0, 1.0),
+    "Relu": lambda x: (max(x[0], 0.0), max(x[1], 0.0)),
+}
 
 
 class UpdateProof:
@@ -186,8 +198,17 @@ class UpdateProof:
             self.types[tensor.name] = tensor.data_type
             self.sizes[tensor.name] = math.prod(tensor.dims)
         self.nodes = list(graph.node)
-        self.initializers = {t.name: numpy_helper.to_array(t) for t in graph.initializer
-                             if int(np.prod(t.dims)) <= 1 << 16}
+        # What does not change between steps, read once: the small initializers' bounds and
+        # the Constant nodes' (a larger initializer stays unknown, as an unbounded input).
+        self.initializers: dict[str, Interval] = {}
+        for tensor in graph.initializer:
+            if math.prod(tensor.dims) <= 1 << 16:
+                array = numpy_helper.to_array(tensor)
+                if array.size and array.dtype.kind in "fiub":
+                    values = array.astype(np.float64)
+                    self.initializers[tensor.name] = (float(values.min()), float(values.max()))
+        self.constants = {n.output[0]: _constant(n) for n in self.nodes
+                          if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output}
         self.outputs = [o.name for o in graph.output]
         self.inputs = [i.name for i in graph.input]
 
@@ -218,11 +239,7 @@ class UpdateProof:
 
     def prove(self, bounds: Mapping[str, Interval]) -> dict[str, Interval] | None:
         """The outputs' intervals when the whole update is proven finite, else None."""
-        known: dict[str, Interval] = dict(bounds)
-        for name, array in self.initializers.items():
-            if array.size and array.dtype.kind in "fiub":
-                values = array.astype(np.float64)
-                known.setdefault(name, (float(values.min()), float(values.max())))
+        known: dict[str, Interval] = {**self.initializers, **bounds}
         for name in self.inputs:  # an input the proof has no bound of is unknown
             checked = self._within(name, known.get(name, UNKNOWN))
             if checked is None:
@@ -247,7 +264,7 @@ class UpdateProof:
         a = args[0] if args else None
         n_out = len(node.output)
         if op == "Constant":
-            return [_constant(node)]
+            return [self.constants.get(node.output[0], UNKNOWN)]
         if op in BOOL_OPS:
             return [(0.0, 1.0)]
         if op in MOVE_OPS and a is not None:
@@ -293,21 +310,8 @@ class UpdateProof:
             return [(lo, hi)]
         if op == "Where" and b is not None and len(args) > 2 and args[2] is not None:
             return [_hull([b, args[2]])]
-        unary: dict[str, Callable[[Interval], Interval]] = {
-            "Neg": lambda x: (-x[1], -x[0]),
-            "Abs": lambda x: (0.0 if x[0] <= 0.0 <= x[1] else min(abs(x[0]), abs(x[1])),
-                              max(abs(x[0]), abs(x[1]))),
-            "Sqrt": _sqrt,
-            "Reciprocal": lambda x: _div((1.0, 1.0), x),
-            "Sign": lambda x: (float(np.sign(x[0])), float(np.sign(x[1]))),
-            "Exp": lambda x: _monotone(_exp, x),
-            "Log": _log,
-            "Tanh": lambda x: _monotone(math.tanh, x),
-            "Sigmoid": lambda x: (0.0, 1.0),
-            "Relu": lambda x: (max(x[0], 0.0), max(x[1], 0.0)),
-        }
-        if op in unary:
-            return [unary[op](a)]
+        if op in _UNARY:
+            return [_UNARY[op](a)]
         size = self.sizes.get(node.input[0], INF)
         if op in ("ReduceMax", "ReduceMin"):  # of an empty tensor: -inf / inf
             return [a if 0 < size < INF else UNKNOWN]
