@@ -12,10 +12,21 @@ import numpy as np
 import onnx
 import torch
 
-from passes.optimizer import AdamWConfig, LambConfig, ParamGroup, SGDConfig, resolve
+from passes.optimizer import AdamConfig, AdamWConfig, LambConfig, ParamGroup, SGDConfig, resolve
 
 RTOL = 1e-5
 PERTURB = 0.01
+# One configuration of each optimizer's every option that changes its update (momentum,
+# dampening, Nesterov, weight decay coupled or decoupled, betas, eps, HF's decay order, LAMB's
+# trust-ratio bound): the fused-update tests and the update-proof tests run over these.
+OPTIMIZER_CASES = {
+    "sgd": SGDConfig(momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "sgd-nesterov": SGDConfig(momentum=0.8, nesterov=True),
+    "adam": AdamConfig(weight_decay=0.1),
+    "adamw": AdamWConfig(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.05),
+    "adamw-hf": AdamWConfig(weight_decay=0.05, decay_after_update=True),
+    "lamb": LambConfig(weight_decay=0.01, ratio_max=5.0),
+}
 
 
 def export_training(module: torch.nn.Module, args: tuple, input_names: list[str],

@@ -13,25 +13,18 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from _training_models import export_training
+from _training_models import OPTIMIZER_CASES, export_training
 
 from gradgraph import TrainingConfig, TrainingSession, UpdateOptions, build_training_artifacts
 from passes.marks import STAGE_KEY
-from passes.optimizer import AdamConfig, AdamWConfig, LambConfig, ParamGroup, SGDConfig
+from passes.optimizer import AdamWConfig, ParamGroup, SGDConfig
 from passes.optimizer.optimizer_pass import VALID_IF_KEY
 
 STEPS = 20
 LR = 0.02
 RTOL = 1e-6
 CPU = ["CPUExecutionProvider"]
-CASES = {
-    "sgd": SGDConfig(momentum=0.9, dampening=0.1, weight_decay=0.01),
-    "sgd-nesterov": SGDConfig(momentum=0.8, nesterov=True),
-    "adam": AdamConfig(weight_decay=0.1),
-    "adamw": AdamWConfig(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.05),
-    "adamw-hf": AdamWConfig(weight_decay=0.05, decay_after_update=True),
-    "lamb": LambConfig(weight_decay=0.01, ratio_max=5.0),
-}
+CASES = OPTIMIZER_CASES
 
 
 def _groups(optimizer) -> tuple[ParamGroup, ...]:
