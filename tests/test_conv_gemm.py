@@ -16,6 +16,7 @@ integer-valued inputs with float32 output gradients, exact up to float32 roundin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -43,6 +44,12 @@ FLOAT64_ATOL = FLOAT64_RTOL = 1e-9
 POOL_ATOL = POOL_RTOL = 1e-5
 # Options that rewrite every Conv the pass can (the default rule leaves forward-like ones alone).
 EVERY_CONV = ConvGemmOptions(min_kernel_per_position=0, grouped_max_window_step=3)
+# Options that make each group-1 form (groups > 1 are always "grouped").
+FORMS = {
+    "taps": dataclasses.replace(EVERY_CONV, max_unfold_bytes=0),
+    "unfold": dataclasses.replace(EVERY_CONV, gather_min_block_bytes=10**9),
+    "gather": dataclasses.replace(EVERY_CONV, gather_min_block_bytes=0),
+}
 AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -119,14 +126,13 @@ def _rewrite(model: ir.Model, options: ConvGemmOptions) -> None:
 
 
 @SETTINGS
-@given(conv_cases(), st.sampled_from([0, 10**9]))
-def test_pass_matches_torch_conv(case, max_unfold_bytes):
-    """Each form (taps / unfold by max_unfold_bytes, grouped for group > 1) is the Conv."""
+@given(conv_cases(), st.sampled_from(sorted(FORMS)))
+def test_pass_matches_torch_conv(case, form):
+    """Each form (taps, unfold, gather; grouped for group > 1) is the Conv."""
     xshape, wshape, attrs, auto_pad, pads = case
     proto = _conv_model(xshape, wshape, attrs, loss=False)
     model = ir.from_proto(proto)
-    _rewrite(model, ConvGemmOptions(min_kernel_per_position=0, grouped_max_window_step=3,
-                                    max_unfold_bytes=max_unfold_bytes))
+    _rewrite(model, FORMS[form])
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal(xshape), rng.standard_normal(wshape)
     got = _session(ir.to_proto(model)).run(["y"], {"x": x, "w": w})[0]
@@ -155,9 +161,9 @@ def test_pass_adds_the_bias():
 
 
 @SETTINGS
-@given(conv_cases())
-def test_weight_gradient_matches_torch(case):
-    """The Conv rule's weight gradient, rewritten by the pass, is torch's float64 dW."""
+@given(conv_cases(), st.sampled_from(sorted(FORMS)))
+def test_weight_gradient_matches_torch(case, form):
+    """The Conv rule's weight gradient, rewritten by the pass in each form, is torch's float64 dW."""
     xshape, wshape, attrs, auto_pad, pads = case
     rng = np.random.default_rng(2)
     x, w = rng.standard_normal(xshape), rng.standard_normal(wshape)
@@ -171,7 +177,7 @@ def test_weight_gradient_matches_torch(case):
     model.graph.outputs.clear()
     model.graph.outputs.append(grad)
     RemoveUnusedNodesPass()(model)
-    _rewrite(model, EVERY_CONV)
+    _rewrite(model, FORMS[form])
     got = _session(ir.to_proto(model)).run(["w_grad"], {"x": x, "w": w, "r": r})[0]
     assert tw.grad is not None
     np.testing.assert_allclose(got, tw.grad.numpy(), atol=FLOAT64_ATOL, rtol=FLOAT64_RTOL)
@@ -297,11 +303,14 @@ def _conv_node(xshape, wshape, **attrs) -> ir.Node:
     # a forward 3x3 conv: its kernel is far smaller than its output
     ([32, 64, 16, 16], [64, 64, 3, 3], dict(pads=[1, 1, 1, 1]), None),
     # weight gradients of the benchmark CNN (data: input channels x batch, kernel: the output gradient)
-    ([3, 32, 34, 34], [32, 32, 32, 32], {}, "unfold"),
-    ([64, 32, 10, 10], [128, 32, 8, 8], {}, "unfold"),
-    ([64, 32, 16, 16], [128, 32, 16, 16], {}, "unfold"),  # a 1x1 conv's: one position
+    # (float64, batch 32: each window row a block of 256 bytes, gathered)
+    ([3, 32, 34, 34], [32, 32, 32, 32], {}, "gather"),
+    ([64, 32, 10, 10], [128, 32, 8, 8], {}, "gather"),
+    ([64, 32, 16, 16], [128, 32, 16, 16], {}, "gather"),  # a 1x1 conv's: one position
+    # batch 4: blocks of 32 bytes, below gather_min_block_bytes: Slices and one Concat
+    ([64, 4, 16, 16], [128, 4, 16, 16], {}, "unfold"),
     # ResNet's last stage (4x4): 16 kernel taps for 9 positions; its forward conv is left alone
-    ([256, 32, 6, 6], [256, 32, 4, 4], {}, "unfold"),
+    ([256, 32, 6, 6], [256, 32, 4, 4], {}, "gather"),
     ([32, 256, 4, 4], [256, 256, 3, 3], dict(pads=[1, 1, 1, 1]), None),
     # depthwise (group = channels, one data channel per group), stride 1 and stride 2
     ([1, 96 * 32, 18, 18], [96, 32, 16, 16], dict(group=96), "grouped"),

@@ -117,6 +117,20 @@ def _input_grad(b, go, kernel, in_sp, pb, eff_k, strides, dilations, group=1, fu
     return _pad_spatial(b, spread, -pb, in_sp + pb - full)
 
 
+def _input_grad_cropped(b, go, w, static, strides, dilations, group):
+    """Static geometry: the ``ConvTranspose`` crops and extends to x's size itself (its ``pads``
+    and ``output_padding``), no ``Pad`` after it: ``full - in - pb`` rows past x's end are
+    cropped, or ``in + pb - full`` rows x has past the last window get zeros (fewer than a
+    stride; ``output_padding`` must be below it)."""
+    in_sp, pb, full, _ = static
+    past = full - in_sp - pb
+    crop, extend = np.maximum(past, 0), np.maximum(-past, 0)
+    if (extend >= np.maximum(np.array(strides), np.array(dilations))).any():
+        return None
+    return b.ConvTranspose(go, w, strides=list(strides), dilations=list(dilations), group=group,
+                           pads=[int(v) for v in (*pb, *crop)], output_padding=[int(v) for v in extend])
+
+
 def _input_grad_as_conv(b, go, w, static, strides, dilations, group, dims):
     """Stride 1 with static geometry: the adjoint as one ``Conv`` of dY with the kernel's
     channel axes swapped (per group) and its taps flipped, padded ``eff_k - 1 - pb`` before and
@@ -146,14 +160,22 @@ def _input_grad_as_conv(b, go, w, static, strides, dilations, group, dims):
                   dilations=list(dilations), group=group)
 
 
-def _correlate(b, a, src, group, strides, dilations, dims):
+def _correlate(b, a, src, group, strides, dilations, dims, pads=None):
     """R[cb, ca, k] = sum_n,i a[n, grp(cb) * Ca/g + ca, k * strides + i * dilations] * src[n, cb, i].
 
     ``a`` is (N, Ca, ...), ``src`` (N, Cb, ...); the result (Cb, Ca/g, K) is a grouped
     Conv whose batch is Ca/g, whose channels are (group, N) and whose weight is ``src``
-    with N as its input channels.
+    with N as its input channels. ``pads`` (begin..., end..., non-negative ints) pad ``a``:
+    the Conv's own attribute for group 1 (passes.kernels.conv_weight_gemm reads it), a ``Pad``
+    otherwise.
     """
     sp = list(range(_LEAD, _LEAD + dims))
+    if group == 1:  # (N, Ca, ...) -> (Ca, N, ...): a Transpose that may merge with the next
+        out = b.Conv(b.Transpose(a, perm=[1, 0] + sp), b.Transpose(src, perm=[1, 0] + sp),
+                     strides=strides, dilations=dilations, **({"pads": pads} if pads else {}))
+        return b.Transpose(out, perm=[1, 0] + sp)
+    if pads:
+        a = _pad_spatial(b, a, b.const(np.array(pads[:dims], np.int64)), b.const(np.array(pads[dims:], np.int64)))
     shape_a = b.Shape(a)
     split = b.Concat(b.Slice(shape_a, [0], [1]), [group, -1], b.Slice(shape_a, [_LEAD], [_TO_END]), axis=0)
     grouped = b.Transpose(b.Reshape(a, split), perm=[2, 1, 0] + [s + 1 for s in sp])
@@ -223,11 +245,16 @@ def _conv(b, n, g):
     if n.needs_grad(0):
         direct = None if static is None else _input_grad_as_conv(b, go, w, static, strides, dilations,
                                                                  group, dims)
+        if direct is None and static is not None:
+            direct = _input_grad_cropped(b, go, w, static, strides, dilations, group)
         grads[0] = direct if direct is not None else \
             _input_grad(b, go, w, in_sp, pb, eff_k, strides, dilations, group, full)
     if n.needs_grad(1):
-        x_padded = _pad_spatial(b, x, pb, pe)
-        grads[1] = _correlate(b, x_padded, go, group, dilations, strides, dims)
+        pads = None if static is None else [int(v) for v in (*static[1], *(static[2] - static[0] - static[1]))]
+        if pads is not None and min(pads) >= 0:
+            grads[1] = _correlate(b, x, go, group, dilations, strides, dims, pads if any(pads) else None)
+        else:  # runtime sizes, or a negative end pad (a crop)
+            grads[1] = _correlate(b, _pad_spatial(b, x, pb, pe), go, group, dilations, strides, dims)
     if n.needs_grad(2):
         grads[2] = _bias_grad(b, go, dims)
     return grads
