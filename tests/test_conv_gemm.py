@@ -309,9 +309,12 @@ def _conv_node(xshape, wshape, **attrs) -> ir.Node:
     ([64, 32, 16, 16], [128, 32, 16, 16], {}, "gather"),  # a 1x1 conv's: one position
     # batch 4: blocks of 32 bytes, below gather_min_block_bytes: Slices and one Concat
     ([64, 4, 16, 16], [128, 4, 16, 16], {}, "unfold"),
-    # ResNet's last stage (4x4): 16 kernel taps for 9 positions; its forward conv is left alone
+    # ResNet's last stage (4x4): 16 kernel taps for 9 positions; its forward conv has 16 positions
     ([256, 32, 6, 6], [256, 32, 4, 4], {}, "gather"),
-    ([32, 256, 4, 4], [256, 256, 3, 3], dict(pads=[1, 1, 1, 1]), None),
+    # ... except in the gather form where its output has few positions per image (one GEMM
+    # over the batch instead of onnxruntime's thin per-image GEMMs), but not a 1x1 kernel
+    ([32, 256, 4, 4], [256, 256, 3, 3], dict(pads=[1, 1, 1, 1]), "gather"),
+    ([32, 256, 4, 4], [256, 256, 1, 1], {}, None),
     # depthwise (group = channels, one data channel per group), stride 1 and stride 2
     ([1, 96 * 32, 18, 18], [96, 32, 16, 16], dict(group=96), "grouped"),
     ([1, 96 * 32, 17, 17], [96, 32, 8, 8], dict(group=96, dilations=[2, 2]), None),

@@ -44,8 +44,12 @@ form: indices of a zero row).
 Rewritten (models of opset 13 or later): a default-domain float32 / float64 Conv of the main graph whose data has a static
 spatial shape and first dim, whose weight has a static first dim and kernel, with
 ``T <= max_output_positions`` output positions and a kernel of at least
-``min_kernel_per_position`` times T taps (the weight-gradient shape; a forward Conv with a
-small kernel is left to onnxruntime's own kernel). 1-D, 2-D and 3-D, any stride, dilation and
+``min_kernel_per_position`` times T taps (the weight-gradient shape). A Conv with a smaller
+kernel (a forward, a stride-1 input gradient) is left to onnxruntime's own kernel, except a
+group-1 one with a kernel above 1x1 and at most ``gather_max_forward_positions`` output
+positions per image, in the gather form: onnxruntime runs a Conv as one im2col and GEMM per
+image, thin where an image has few positions (ResNet-18's 8x8 and 4x4 stages; its step 0.89x,
+tools/ab_rule.py on ``small_output_gather``, 16 pairs; a 1x1 kernel was 1.06x on MobileNetV2). 1-D, 2-D and 3-D, any stride, dilation and
 group. Values agree with the Conv to float rounding (sums in another order).
 """
 
@@ -86,6 +90,9 @@ class ConvGemmOptions:
     # The gather form (group 1): each window row is one block of the data's C channels, so C
     # times the item size must be at least this many bytes (smaller blocks: the unfold).
     gather_min_block_bytes: int = 64
+    # A Conv with a small kernel (a forward, an input gradient) in the gather form when its
+    # output has at most this many positions per image (0: never).
+    gather_max_forward_positions: int = 64
     # Largest index table (bytes, int32 or int64) the gather form stores; above, the unfold.
     max_gather_index_bytes: int = 64 * 1024 * 1024
     # Groups > 1: rewritten only when the windows are read with at most this step (the Conv's
@@ -170,7 +177,7 @@ def choose_form(geo: _Geometry, options: ConvGemmOptions) -> str | None:
     if geo.positions > options.max_output_positions:
         return None
     if math.prod(geo.kernel) < options.min_kernel_per_position * geo.positions:
-        return None
+        return "gather" if small_output_gather(geo, options) else None
     if geo.group > 1:
         return "grouped" if max(geo.dilations) <= options.grouped_max_window_step else None
     if geo.channels is None:
@@ -179,6 +186,16 @@ def choose_form(geo: _Geometry, options: ConvGemmOptions) -> str | None:
     if unfold > options.max_unfold_bytes:
         return "taps"
     return "gather" if gather_fits(geo, options) else "unfold"
+
+
+def small_output_gather(geo: _Geometry, options: ConvGemmOptions) -> bool | None:
+    """Whether a forward-like Conv (a small kernel) is written in the gather form: group 1,
+    few output positions per image, so that onnxruntime's per-image GEMMs are thin and one
+    GEMM over the whole batch is not (None: left to onnxruntime)."""
+    if (geo.group != 1 or geo.channels is None or geo.positions > options.gather_max_forward_positions
+            or math.prod(geo.kernel) == 1):  # 1x1: onnxruntime's GEMM needs no im2col (mobilenetv2 1.06x)
+        return None
+    return gather_fits(geo, options)
 
 
 def gather_fits(geo: _Geometry, options: ConvGemmOptions) -> bool | None:
@@ -270,11 +287,13 @@ class _Writer:
         rows = b.Transpose(self.unpadded, perm=channels_last)  # (B, *S, C)
         rows = b.Reshape(rows, b.const(np.array([geo.batch, -1, geo.channels], np.int64)))
         index = self.gather_index()
-        if (index == math.prod(geo.spatial)).any():
+        if index.shape[1] == 1 and np.array_equal(index[:, 0], np.arange(math.prod(geo.spatial))):
+            index = None  # a 1x1 kernel reading every position: the rows are the windows
+        elif (index == math.prod(geo.spatial)).any():
             zero = b.const(np.zeros((1, 1, 1), np.float32 if geo.itemsize == 4 else np.float64))
             zeros = b.Expand(zero, b.const(np.array([geo.batch, 1, geo.channels], np.int64)))
             rows = b.Concat(rows, zeros, axis=1)
-        windows = b.Gather(rows, b.const(index), axis=1)  # (B, T, K, C)
+        windows = rows if index is None else b.Gather(rows, b.const(index), axis=1)  # (B, T, K, C)
         columns = b.Reshape(windows, b.const(np.array([geo.batch * geo.positions, -1], np.int64)))
         kernel = b.Transpose(self.weight, perm=channels_last)  # (M, *K, C)
         kernel = b.Reshape(kernel, b.const(np.array([geo.out_channels, -1], np.int64)))
