@@ -287,13 +287,13 @@ class _Writer:
         rows = b.Transpose(self.unpadded, perm=channels_last)  # (B, *S, C)
         rows = b.Reshape(rows, b.const(np.array([geo.batch, -1, geo.channels], np.int64)))
         index = self.gather_index()
-        if index.shape[1] == 1 and np.array_equal(index[:, 0], np.arange(math.prod(geo.spatial))):
-            index = None  # a 1x1 kernel reading every position: the rows are the windows
-        elif (index == math.prod(geo.spatial)).any():
-            zero = b.const(np.zeros((1, 1, 1), np.float32 if geo.itemsize == 4 else np.float64))
-            zeros = b.Expand(zero, b.const(np.array([geo.batch, 1, geo.channels], np.int64)))
-            rows = b.Concat(rows, zeros, axis=1)
-        windows = rows if index is None else b.Gather(rows, b.const(index), axis=1)  # (B, T, K, C)
+        windows = rows  # a 1x1 kernel reading every position: the rows are the windows
+        if index.shape[1] != 1 or not np.array_equal(index[:, 0], np.arange(math.prod(geo.spatial))):
+            if (index == math.prod(geo.spatial)).any():
+                zero = b.const(np.zeros((1, 1, 1), np.float32 if geo.itemsize == 4 else np.float64))
+                zeros = b.Expand(zero, b.const(np.array([geo.batch, 1, geo.channels], np.int64)))
+                rows = b.Concat(rows, zeros, axis=1)
+            windows = b.Gather(rows, b.const(index), axis=1)  # (B, T, K, C)
         columns = b.Reshape(windows, b.const(np.array([geo.batch * geo.positions, -1], np.int64)))
         kernel = b.Transpose(self.weight, perm=channels_last)  # (M, *K, C)
         kernel = b.Reshape(kernel, b.const(np.array([geo.out_channels, -1], np.int64)))
