@@ -142,6 +142,22 @@ def test_pass_matches_torch_conv(case, form):
     np.testing.assert_allclose(got, want, atol=FLOAT64_ATOL, rtol=FLOAT64_RTOL)
 
 
+@pytest.mark.parametrize("attrs", [{}, dict(strides=[2, 2]), dict(pads=[1, 0, 0, 1])])
+def test_gather_form_of_a_1x1_kernel(attrs):
+    """A 1x1 kernel reading every position needs no Gather (the rows are the windows); with a
+    stride or pads it does."""
+    xshape, wshape = [2, 8, 5, 5], [3, 8, 1, 1]
+    model = ir.from_proto(_conv_model(xshape, wshape, attrs, loss=False))
+    _rewrite(model, FORMS["gather"])
+    assert any(n.op_type == "Gather" for n in model.graph) == bool(attrs)
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal(xshape), rng.standard_normal(wshape)
+    got = _session(ir.to_proto(model)).run(["y"], {"x": x, "w": w})[0]
+    want = _torch_conv(torch.tensor(x), torch.tensor(w), attrs.get("pads", [0] * 4), attrs.get("strides", [1, 1]),
+                       [1, 1], 1).numpy()
+    np.testing.assert_allclose(got, want, atol=FLOAT64_ATOL, rtol=FLOAT64_RTOL)
+
+
 def test_pass_adds_the_bias():
     xshape, wshape = [2, 4, 9, 9], [3, 4, 7, 7]
     node = helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1, 0, 1, 0])
