@@ -166,22 +166,20 @@ def _correlate(b, a, src, group, strides, dilations, dims, pads=None):
     ``a`` is (N, Ca, ...), ``src`` (N, Cb, ...); the result (Cb, Ca/g, K) is a grouped
     Conv whose batch is Ca/g, whose channels are (group, N) and whose weight is ``src``
     with N as its input channels. ``pads`` (begin..., end..., non-negative ints) pad ``a``:
-    the Conv's own attribute for group 1 (passes.kernels.conv_weight_gemm reads it), a ``Pad``
-    otherwise.
+    the Conv's own attribute (passes.kernels.conv_weight_gemm's gather forms read zeros there).
     """
     sp = list(range(_LEAD, _LEAD + dims))
+    padding = {"pads": pads} if pads else {}
     if group == 1:  # (N, Ca, ...) -> (Ca, N, ...): a Transpose that may merge with the next
         out = b.Conv(b.Transpose(a, perm=[1, 0] + sp), b.Transpose(src, perm=[1, 0] + sp),
-                     strides=strides, dilations=dilations, **({"pads": pads} if pads else {}))
+                     strides=strides, dilations=dilations, **padding)
         return b.Transpose(out, perm=[1, 0] + sp)
-    if pads:
-        a = _pad_spatial(b, a, b.const(np.array(pads[:dims], np.int64)), b.const(np.array(pads[dims:], np.int64)))
     shape_a = b.Shape(a)
     split = b.Concat(b.Slice(shape_a, [0], [1]), [group, -1], b.Slice(shape_a, [_LEAD], [_TO_END]), axis=0)
     grouped = b.Transpose(b.Reshape(a, split), perm=[2, 1, 0] + [s + 1 for s in sp])
     data = b.Reshape(grouped, b.Concat([0, -1], b.Slice(shape_a, [_LEAD], [_TO_END]), axis=0))
     weight = b.Transpose(src, perm=[1, 0] + sp)
-    out = b.Conv(data, weight, group=group, strides=strides, dilations=dilations)
+    out = b.Conv(data, weight, group=group, strides=strides, dilations=dilations, **padding)
     return b.Transpose(out, perm=[1, 0] + sp)
 
 
