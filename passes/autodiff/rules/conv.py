@@ -147,17 +147,34 @@ def _input_grad_as_conv(b, go, w, static, strides, dilations, group, dims):
     if (begin < 0).any() or (end < 0).any():
         return None
     sp = list(range(_LEAD, _LEAD + dims))
-    if group == 1:
-        kernel = b.Transpose(w, perm=[1, 0] + sp)
+    flipped = _flipped_taps(b, w, dims)
+    if group == 1:  # a Transpose last: onnxruntime merges it with one that follows
+        kernel = b.Transpose(flipped, perm=[1, 0] + sp)
     else:  # (M, C/g, k) -> (g, M/g, C/g, k) -> (g, C/g, M/g, k) -> (C, M/g, k)
-        split = b.Reshape(w, b.Concat(b.const(np.array([group, -1], np.int64)),
-                                      b.Slice(b.Shape(w), [1], [_TO_END]), axis=0))
+        split = b.Reshape(flipped, b.Concat(b.const(np.array([group, -1], np.int64)),
+                                            b.Slice(b.Shape(w), [1], [_TO_END]), axis=0))
         swapped = b.Transpose(split, perm=[0, 2, 1] + [a + 1 for a in sp])
         kernel = b.Reshape(swapped, b.Concat(b.const(np.array([-1], np.int64)),
                                              b.Slice(b.Shape(swapped), [2], [_TO_END]), axis=0))
-    flipped = b.Slice(kernel, [-1] * dims, [np.iinfo(np.int64).min] * dims, sp, [-1] * dims)
-    return b.Conv(go, flipped, pads=[int(v) for v in begin] + [int(v) for v in end],
+    return b.Conv(go, kernel, pads=[int(v) for v in begin] + [int(v) for v in end],
                   dilations=list(dilations), group=group)
+
+
+_REVERSIBLE = {ir.DataType.FLOAT: np.float32, ir.DataType.DOUBLE: np.float64}
+
+
+def _flipped_taps(b, w, dims):
+    """The kernel with its taps reversed along every spatial axis (static kernel sizes). Reversing
+    every axis reverses the flattened taps: for float32 / float64 one ``MatMul`` by the
+    reversal matrix (exact: each tap times 1 plus zeros; a -0.0 tap becomes +0.0, an inf or NaN
+    tap makes its whole row NaN), 0.3 against 1.5 ms for onnxruntime's ``Slice`` with step -1
+    on a [256, 256, 3, 3] kernel, which copies element by element; a ``Slice`` otherwise."""
+    taps = int(np.prod(list(w.shape)[_LEAD:]))
+    if w.dtype not in _REVERSIBLE or taps == 1:
+        sp = list(range(_LEAD, _LEAD + dims))
+        return w if taps == 1 else b.Slice(w, [-1] * dims, [np.iinfo(np.int64).min] * dims, sp, [-1] * dims)
+    reversal = np.eye(taps, dtype=_REVERSIBLE[w.dtype])[::-1].copy()
+    return b.Reshape(b.MatMul(b.Reshape(w, [0, 0, -1]), b.const(reversal)), b.Shape(w))
 
 
 def _correlate(b, a, src, group, strides, dilations, dims, pads=None):
