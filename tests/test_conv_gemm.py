@@ -347,6 +347,17 @@ def test_unfold_falls_back_to_taps_above_its_byte_limit():
     assert choose_form(geo, ConvGemmOptions(max_unfold_bytes=1024)) == "taps"
 
 
+def test_forward_gather_keeps_to_the_unfold_byte_limit():
+    """The gather form of a small-kernel Conv holds every window, K times the data it reads
+    (ResNet's 7x7 stage at batch 512 would gather 441 MiB): above ``max_unfold_bytes`` the Conv
+    is left to onnxruntime, as a weight gradient's windows fall back to taps."""
+    geo = geometry(_conv_node([32, 256, 4, 4], [256, 256, 3, 3], pads=[1, 1, 1, 1]))
+    assert geo is not None and geo.channels is not None
+    windows = geo.batch * geo.positions * math.prod(geo.kernel) * geo.channels * geo.itemsize
+    assert choose_form(geo, ConvGemmOptions(max_unfold_bytes=windows)) == "gather"
+    assert choose_form(geo, ConvGemmOptions(max_unfold_bytes=windows - 1)) is None
+
+
 def test_symbolic_spatial_size_is_left_alone():
     node = _conv_node([3, 32, "h", "w"], [32, 32, 32, 32])
     assert geometry(node) is None

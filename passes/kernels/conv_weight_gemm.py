@@ -85,7 +85,8 @@ class ConvGemmOptions:
     # than its output: ResNet's last 3x3 stage at 4x4 has 16 taps for 9 positions, its forward
     # 9 for 16).
     min_kernel_per_position: float = 1.0
-    # Largest concatenated window tensor (bytes) built for the unfold form; above, per-position Gemms.
+    # Largest window tensor (bytes) built for the unfold and gather forms; above, per-position
+    # Gemms (a forward-like Conv: left to onnxruntime).
     max_unfold_bytes: int = 256 * 1024 * 1024
     # The gather form (group 1): each window row is one block of the data's C channels, so C
     # times the item size must be at least this many bytes (smaller blocks: the unfold).
@@ -182,18 +183,25 @@ def choose_form(geo: _Geometry, options: ConvGemmOptions) -> str | None:
         return "grouped" if max(geo.dilations) <= options.grouped_max_window_step else None
     if geo.channels is None:
         return "taps"
-    unfold = geo.positions * geo.batch * geo.channels * math.prod(geo.kernel) * geo.itemsize
-    if unfold > options.max_unfold_bytes:
+    if _window_bytes(geo) > options.max_unfold_bytes:
         return "taps"
     return "gather" if gather_fits(geo, options) else "unfold"
+
+
+def _window_bytes(geo: _Geometry) -> int:
+    """Bytes of all windows side by side (the unfold's and the gather form's copy of the data)."""
+    assert geo.channels is not None
+    return geo.positions * geo.batch * geo.channels * math.prod(geo.kernel) * geo.itemsize
 
 
 def small_output_gather(geo: _Geometry, options: ConvGemmOptions) -> bool | None:
     """Whether a forward-like Conv (a small kernel) is written in the gather form: group 1,
     few output positions per image, so that onnxruntime's per-image GEMMs are thin and one
-    GEMM over the whole batch is not (None: left to onnxruntime)."""
+    GEMM over the whole batch is not (None: left to onnxruntime; also where the windows, K times
+    the data, exceed ``max_unfold_bytes``: onnxruntime's im2col holds one image's)."""
     if (geo.group != 1 or geo.channels is None or geo.positions > options.gather_max_forward_positions
-            or math.prod(geo.kernel) == 1):  # 1x1: onnxruntime's GEMM needs no im2col (mobilenetv2 1.06x)
+            or math.prod(geo.kernel) == 1  # 1x1: onnxruntime's GEMM needs no im2col (mobilenetv2 1.06x)
+            or _window_bytes(geo) > options.max_unfold_bytes):
         return None
     return gather_fits(geo, options)
 
