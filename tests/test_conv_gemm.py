@@ -250,6 +250,25 @@ def test_input_gradient_with_a_pad_wider_than_the_window_keeps_the_transpose():
     assert "ConvTranspose" in ops
 
 
+@pytest.mark.parametrize("taps,flip_op", [(9, "MatMul"), (400, "Slice")])
+def test_input_gradient_kernel_flip(taps, flip_op):
+    """The stride-1 input gradient reverses the kernel's taps with a MatMul by the reversal
+    matrix, or a Slice above 343 taps (the matrix is taps x taps)."""
+    xshape, wshape = [2, 3, taps + 5], [4, 3, taps]
+    attrs = dict(strides=[1], dilations=[1], group=1, kernel_shape=[taps], pads=[1, 2])
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal(xshape), rng.standard_normal(wshape)
+    tx = torch.tensor(x, requires_grad=True)
+    y = _torch_conv(tx, torch.tensor(w), attrs["pads"], [1], [1], 1)
+    r = rng.standard_normal(tuple(y.shape))
+    (y * torch.tensor(r)).sum().backward()
+    got, ops = _input_gradient(xshape, wshape, attrs, x, w, r)
+    assert tx.grad is not None
+    _close_to_float64(got, tx.grad.numpy())
+    assert flip_op in ops and "ConvTranspose" not in ops
+    assert ("MatMul" in ops) == (flip_op == "MatMul")
+
+
 # ---- 2. pools whose windows tile the input -------------------------------------------------
 
 

@@ -4,6 +4,7 @@ from passes.autodiff.rules import (  # noqa: F401
     attention,
     control,
     conv,
+    deform_conv,
     elementwise,
     linalg,
     newer,
