@@ -306,12 +306,12 @@ class _Writer:
         kernel = b.Transpose(self.weight, perm=channels_last)  # (M, *K, C)
         kernel = b.Reshape(kernel, b.const(np.array([geo.out_channels, -1], np.int64)))
         # (B*T, M): MLAS packs the second operand, the small one here (the other order was 1.5x).
-        # onnxruntime fuses a Transpose right after the Gemm into it (the slow order again).
+        # onnxruntime fuses a Transpose right after the Gemm into it (the slow order again): the
+        # Reshape between keeps them apart. One Transpose to Y; for a weight gradient the rule's
+        # Transpose follows it and onnxruntime merges the two into one 2-D transpose.
         product = b.Reshape(b.Gemm(columns, kernel, transB=1),
-                            b.const(np.array([geo.batch, geo.positions, geo.out_channels], np.int64)))
-        moved = b.Transpose(product, perm=[2, 0, 1])  # (M, B, T)
-        shape = b.const(np.array([geo.out_channels, geo.batch, *geo.out], np.int64))
-        return b.Transpose(b.Reshape(moved, shape), perm=[1, 0, *range(_LEAD, _LEAD + dims)])
+                            b.const(np.array([geo.batch, *geo.out, geo.out_channels], np.int64)))
+        return b.Transpose(product, perm=[0, dims + 1, *range(1, dims + 1)])  # (B, M, *out)
 
     def taps(self) -> Var:
         geo, b = self.geo, self.b

@@ -23,6 +23,8 @@ which ONNX shape inference before opset 22 keeps (it infers one window more than
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import onnx_ir as ir
 
@@ -121,13 +123,11 @@ def _input_grad_cropped(b, go, w, static, strides, dilations, group):
     and ``output_padding``), no ``Pad`` after it: ``full - in - pb`` rows past x's end are
     cropped, or ``in + pb - full`` rows x has past the last window get zeros (fewer than a
     stride; ``output_padding`` must be below it)."""
-    in_sp, pb, full, _ = static
-    past = full - in_sp - pb
-    crop, extend = np.maximum(past, 0), np.maximum(-past, 0)
+    crop, extend = np.maximum(static.pe, 0), np.maximum(-static.pe, 0)
     if (extend >= np.array(strides)).any():  # onnxruntime refuses output_padding >= stride
         return None
     return b.ConvTranspose(go, w, strides=list(strides), dilations=list(dilations), group=group,
-                           pads=[int(v) for v in (*pb, *crop)], output_padding=[int(v) for v in extend])
+                           pads=[int(v) for v in (*static.pb, *crop)], output_padding=[int(v) for v in extend])
 
 
 def _input_grad_as_conv(b, go, w, static, strides, dilations, group, dims):
@@ -141,8 +141,7 @@ def _input_grad_as_conv(b, go, w, static, strides, dilations, group, dims):
     16@32x32, 0.76-1.05x depthwise (the two forms of one op in one process, medians of 7 runs)."""
     if any(s != 1 for s in strides):
         return None
-    in_sp, pb, full, eff_k = static
-    begin, end = eff_k - 1 - pb, eff_k - 1 - (full - in_sp - pb)
+    begin, end = static.eff_k - 1 - static.pb, static.eff_k - 1 - static.pe
     if (begin < 0).any() or (end < 0).any():
         return None
     sp = list(range(_LEAD, _LEAD + dims))
@@ -209,13 +208,31 @@ def _bias_grad(b, go, dims):
 # ---- Conv / ConvTranspose --------------------------------------------------------------------
 
 
+def _conv_attrs(n) -> tuple[int, list[int], list[int], int]:
+    """(dims, strides, dilations, group) of a Conv or ConvTranspose node."""
+    dims = _spatial_rank(n, n.attr("kernel_shape"), n.inputs[1], n.inputs[0])
+    return dims, _ints(n, "strides", dims, 1), _ints(n, "dilations", dims, 1), n.attr("group", 1)
+
+
 def _conv_geometry(b, n, go):
     """(dims, strides, dilations, group, input/output spatial sizes, dilated kernel extent)."""
-    x, w = n.inputs[0], n.inputs[1]
-    dims = _spatial_rank(n, n.attr("kernel_shape"), w, x)
-    strides, dilations = _ints(n, "strides", dims, 1), _ints(n, "dilations", dims, 1)
-    eff_k = _window_extent(b, _spatial(b, w), _strided(b, dilations))
-    return dims, strides, dilations, n.attr("group", 1), _spatial(b, x), _spatial(b, go), eff_k
+    dims, strides, dilations, group = _conv_attrs(n)
+    eff_k = _window_extent(b, _spatial(b, n.inputs[1]), _strided(b, dilations))
+    return dims, strides, dilations, group, _spatial(b, n.inputs[0]), _spatial(b, go), eff_k
+
+
+class _Static(NamedTuple):
+    """A Conv's window geometry as int64 arrays (the sizes the runtime branch computes)."""
+
+    in_sp: np.ndarray
+    pb: np.ndarray  # begin pads
+    full: np.ndarray  # extent of the padded input the windows cover
+    eff_k: np.ndarray
+
+    @property
+    def pe(self) -> np.ndarray:
+        """End pads the windows use: negative where x has rows past the last window (a crop)."""
+        return self.full - self.in_sp - self.pb
 
 
 def _static_conv_geometry(n, x, w):
@@ -242,7 +259,7 @@ def _static_conv_geometry(n, x, w):
         out = (in_sp + pads[:dims] + pads[dims:] - eff_k) // strides + 1
     if np.any(out < 1):
         return None
-    return in_sp, pb, (out - 1) * strides + eff_k, eff_k
+    return _Static(in_sp, pb, (out - 1) * strides + eff_k, eff_k)
 
 
 @grad_rule("Conv")
@@ -252,13 +269,12 @@ def _conv(b, n, g):
     runtime geometry is built unless a fallback needs it."""
     x, w, go = n.inputs[0], n.inputs[1], g[0]
     static = _static_conv_geometry(n, x, w)
-    dims = _spatial_rank(n, n.attr("kernel_shape"), w, x)
-    strides, dilations, group = _ints(n, "strides", dims, 1), _ints(n, "dilations", dims, 1), n.attr("group", 1)
+    dims, strides, dilations, group = _conv_attrs(n)
 
     def geometry():  # (in, begin pads, full, end pads, eff_k) as graph values
         if static is not None:
-            in_sp, pb, full, eff_k = (b.const(v) for v in static)
-            return in_sp, pb, full, b.const(static[2] - static[0] - static[1]), eff_k
+            return (*(b.const(v) for v in (static.in_sp, static.pb, static.full)), b.const(static.pe),
+                    b.const(static.eff_k))
         _, _, _, _, in_sp, out_sp, eff_k = _conv_geometry(b, n, go)
         pb = _begin_pads(b, n, dims, in_sp, out_sp, eff_k, _strided(b, strides))
         full = (out_sp - 1) * _strided(b, strides) + eff_k
@@ -275,7 +291,7 @@ def _conv(b, n, g):
             direct = _input_grad(b, go, w, in_sp, pb, eff_k, strides, dilations, group, full)
         grads[0] = direct
     if n.needs_grad(1):
-        pads = None if static is None else [int(v) for v in (*static[1], *(static[2] - static[0] - static[1]))]
+        pads = None if static is None else [int(v) for v in (*static.pb, *static.pe)]
         if pads is not None and min(pads) >= 0:
             grads[1] = _correlate(b, x, go, group, dilations, strides, dims, pads if any(pads) else None)
         else:  # runtime sizes, or a negative end pad (a crop)
