@@ -360,6 +360,18 @@ def test_form_rule_picks_from_the_shapes(xshape, wshape, attrs, form):
     assert choose_form(geo, ConvGemmOptions()) == form
 
 
+def test_gather_options_take_effect():
+    """max_gather_index_bytes sends a weight gradient's windows back to the unfold;
+    gather_max_forward_positions 0 leaves a small-image forward Conv to onnxruntime."""
+    weight_grad = geometry(_conv_node([64, 32, 10, 10], [128, 32, 8, 8]))
+    forward = geometry(_conv_node([32, 256, 4, 4], [256, 256, 3, 3], pads=[1, 1, 1, 1]))
+    assert weight_grad is not None and forward is not None
+    assert choose_form(weight_grad, ConvGemmOptions()) == "gather"
+    assert choose_form(weight_grad, ConvGemmOptions(max_gather_index_bytes=8)) == "unfold"
+    assert choose_form(forward, ConvGemmOptions()) == "gather"
+    assert choose_form(forward, ConvGemmOptions(gather_max_forward_positions=0)) is None
+
+
 def test_unfold_falls_back_to_taps_above_its_byte_limit():
     geo = geometry(_conv_node([3, 32, 34, 34], [32, 32, 32, 32]))
     assert geo is not None
