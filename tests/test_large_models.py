@@ -282,16 +282,16 @@ def test_external_data_paths_small(tmp_path: Path) -> None:
 def test_over_2gb_end_to_end(tmp_path: Path) -> None:
     """Two 1.1 GB weights (2.2 GB, over protobuf's limit) through every command."""
     k, n = 16384, 17000
-    assert 2 * k * n * 4 > 2**31
+    weights = 2 * k * n * 4
+    assert weights > 2**31
     # the model, and at most about four copies of its weights written beside it at a time
     # (build --save-stages' stage files; each output is deleted once checked), plus a margin
-    need = 6 * 2 * k * n * 4
+    need = 6 * weights
     free = shutil.disk_usage(tmp_path).free
     if free < need:
         pytest.skip(f"needs {need / 2**30:.0f} GiB free under {tmp_path} for a 2.2 GB model and its "
                     f"outputs; {free / 2**30:.1f} GiB free")
     peaks = end_to_end(tmp_path, k, n, _env())
-    weights = 2 * k * n * 4
     report = ", ".join(f"{name} {rss / 2**30:.2f} GiB ({rss / weights:.2f} W)" for name, rss in peaks.items())
     print(f"peak RSS for W = {weights / 2**30:.2f} GiB of weights: {report}")
 

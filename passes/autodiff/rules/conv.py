@@ -273,8 +273,7 @@ def _conv(b, n, g):
 
     def geometry():  # (in, begin pads, full, end pads, eff_k) as graph values
         if static is not None:
-            return (*(b.const(v) for v in (static.in_sp, static.pb, static.full)), b.const(static.pe),
-                    b.const(static.eff_k))
+            return tuple(b.const(v) for v in (static.in_sp, static.pb, static.full, static.pe, static.eff_k))
         _, _, _, _, in_sp, out_sp, eff_k = _conv_geometry(b, n, go)
         pb = _begin_pads(b, n, dims, in_sp, out_sp, eff_k, _strided(b, strides))
         full = (out_sp - 1) * _strided(b, strides) + eff_k
