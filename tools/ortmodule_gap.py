@@ -1,0 +1,351 @@
+"""Where ORTModule's CPU training step differs from PyTorch eager's, measured in one process.
+
+    python tools/ortmodule_gap.py [--models cnn,resnet18,mobilenetv2] [--steps 10] [--rounds 30]
+
+For each model of the training benchmark (tools/bench_training.py):
+
+1. **Backward by layer kind.** The kernel milliseconds per step of ORTModule's backward session
+   (onnxruntime's profiler), each node counted for the forward node whose gradient it computes
+   (gradgraph names a gradient node ``<forward node>_grad/...``; onnxruntime's layout nodes,
+   ``ReorderInput``/``ReorderOutput``, count as "layout"; the sums of a value's gradients where
+   several nodes read it, as "gradient sums"). Beside it, PyTorch eager's backward in
+   the same process: the CPU time of each autograd function (``ConvolutionBackward0``...,
+   torch's profiler), by the same kinds.
+2. **What splitting costs.** ORTModule runs the forward and the backward as two onnxruntime
+   sessions whose threads sleep between parallel sections (its options). The two graphs it built,
+   fed what one of its steps fed them, run here in four forms, one after the other for
+   ``--rounds`` rounds: ORTModule's (two sessions, no spinning), one session of both graphs, and
+   each of those with threads that spin within a run and stop after it. Printed: each form's
+   median and its median ratio, round by round, to ORTModule's form. One session of both graphs
+   is not something a module under torch autograd can run (the backward is called later, by
+   torch): it measures what the split costs.
+
+3. **Whole steps.** ORTModule with its options, ORTModule whose threads spin within runs (and
+   stop after each), and PyTorch eager, each on its own copy of the model with its own AdamW,
+   one step each per round for ``--rounds`` rounds: medians and round-by-round ratios to the
+   first.
+
+Peers run one after the other in this process; the ratios of round-by-round pairs resist the
+machine's drift better than medians of separate processes do. Quote them with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# forward op types and torch autograd functions, by the kind of layer they belong to
+GRAPH_KINDS = {
+    "conv": ("Conv", "ConvTranspose"),
+    "norm": ("BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization"),
+    "pool": ("MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LpPool", "ReduceMean"),
+    "activation": ("Relu", "Clip", "HardSigmoid", "HardSwish", "Sigmoid", "Tanh", "Gelu", "LeakyRelu", "Mul"),
+    "linear": ("Gemm", "MatMul"),
+    "loss": ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "LogSoftmax", "Softmax"),
+    "residual add": ("Add", "Sum"),
+    "reshape": ("Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze"),
+}
+TORCH_KINDS = {
+    "conv": ("Convolution", "ConvolutionBackward", "MkldnnConvolution"),
+    "norm": ("NativeBatchNorm", "BatchNorm", "NativeLayerNorm", "NativeGroupNorm"),
+    "pool": ("MaxPool", "AvgPool", "AdaptiveAvgPool", "AdaptiveMaxPool", "Mean"),
+    "activation": ("Relu", "Hardtanh", "Threshold", "Silu", "Gelu", "Hardswish", "Sigmoid", "Tanh", "LeakyRelu"),
+    "linear": ("Addmm", "Mm", "Linear", "T", "Bmm"),
+    "loss": ("LogSoftmax", "NllLoss", "CrossEntropy", "Softmax"),
+    "residual add": ("Add",),
+    "reshape": ("View", "Reshape", "UnsafeView", "Permute", "Squeeze", "Unsqueeze", "Flatten"),
+    "gradient accumulation": ("AccumulateGrad",),
+}
+DETAIL = False  # --detail: "other" names its op type / function
+
+
+def _kind(name: str, kinds: dict[str, tuple[str, ...]], prefix: bool = False) -> str:
+    """The kind whose names hold ``name`` (or, with ``prefix``, begin it: MaxPool2DWithIndices)."""
+    for kind, names in kinds.items():
+        if name in names or prefix and name.startswith(names):
+            return kind
+    return f"other: {name}" if DETAIL else "other"
+
+
+def graph_backward_by_kind(profile: str, ops: dict[str, str]) -> dict[str, float]:
+    """Kernel ms per run of the backward session's profile ``profile``, by layer kind; ``ops``:
+    the op type of each node of the graph the gradient was built from."""
+    with open(profile) as f:
+        events = json.load(f)
+    runs = max(1, sum(1 for e in events if e.get("cat") == "Session" and e["name"] == "model_run"))
+    out: dict[str, float] = collections.Counter()
+    for e in events:
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+            continue
+        node = e["name"][: -len("_kernel_time")]
+        op = e.get("args", {}).get("op_name", "")
+        if op in ("ReorderInput", "ReorderOutput"):
+            kind = "layout"
+        elif "_grad_sum/" in node:  # the gradients of a value read by several nodes, summed
+            kind = "gradient sums (fan-out)"
+        elif "_grad/" in node or node.endswith("_grad"):
+            source = node.split("_grad/")[0] if "_grad/" in node else node[: -len("_grad")]
+            kind = _kind(ops.get(source, ""), GRAPH_KINDS)
+        else:
+            kind = f"other: {op}" if DETAIL else "other"
+        out[kind] += e["dur"] / 1e3 / runs
+    return dict(out)
+
+
+def torch_backward_by_kind(module: Any, batch: tuple, steps: int) -> dict[str, float]:
+    """CPU ms per step of each autograd function of torch eager's backward, by layer kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        module(*batch).backward()
+        module.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # only the backward's events are read
+        for _ in range(steps):
+            module(*batch).backward()
+            module.zero_grad(set_to_none=True)
+    out: dict[str, float] = collections.Counter()
+    prefix = "autograd::engine::evaluate_function: "
+    for e in prof.key_averages():
+        if not e.key.startswith(prefix):
+            continue
+        fn = e.key[len(prefix):].split("::")[-1].rstrip("0123456789")
+        fn = fn[: -len("Backward")] if fn.endswith("Backward") else fn
+        out[_kind(fn, TORCH_KINDS, prefix=True)] += e.cpu_time_total / 1e3 / steps
+    return dict(out)
+
+
+def merged_graph(forward: Any, backward: Any) -> Any:
+    """One graph of the forward and the backward graph: the backward reads the forward's values."""
+    import onnx
+
+    produced = {o for n in forward.graph.node for o in n.output}
+    fwd_inputs = {i.name for i in forward.graph.input}
+    fwd_inits = {i.name for i in forward.graph.initializer}
+    graph = onnx.helper.make_graph(
+        list(forward.graph.node) + [n for n in backward.graph.node if not set(n.output) <= produced],
+        "forward_and_backward",
+        list(forward.graph.input) + [i for i in backward.graph.input
+                                     if i.name not in produced and i.name not in fwd_inputs],
+        list(backward.graph.output),
+        list(forward.graph.initializer) + [i for i in backward.graph.initializer if i.name not in fwd_inits])
+    return onnx.helper.make_model(graph, opset_imports=forward.opset_import, ir_version=forward.ir_version)
+
+
+def split_cost(forward: Any, backward: Any, fwd_feeds: dict, bwd_feeds: dict, threads: int,
+               rounds: int) -> dict[str, tuple[float, float]]:
+    """{form: (median ms, median round-by-round ratio to ORTModule's form)}."""
+    import onnxruntime as ort
+
+    from gradgraph.runtime.compat import inference_session
+    from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
+
+    def session(model: Any, spin: bool) -> Any:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.log_severity_level = 3
+        opts.enable_mem_pattern = False
+        opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+        opts.add_session_config_entry(*(("session.force_spinning_stop", "1") if spin
+                                        else ("session.intra_op.allow_spinning", "0")))
+        return inference_session(model, opts, providers=["CPUExecutionProvider"],
+                                 disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
+
+    fwd_out = [o.name for o in forward.graph.output]
+    bwd_out = [o.name for o in backward.graph.output]
+    bwd_in = [i.name for i in backward.graph.input]
+    merged = merged_graph(forward, backward)
+    merged_in = [i.name for i in merged.graph.input]
+    fvals = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in fwd_feeds.items()}
+    bvals = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in bwd_feeds.items()}
+
+    def two(spin: bool) -> Any:
+        fs, bs = session(forward, spin), session(backward, spin)
+
+        def run() -> None:
+            got = dict(zip(fwd_out, fs.run_with_ort_values(fwd_out, fvals)))
+            bs.run_with_ort_values(bwd_out, {n: got[n] if n in got else bvals[n] for n in bwd_in})
+        return run
+
+    def one(spin: bool) -> Any:
+        ms = session(merged, spin)
+        return lambda: ms.run_with_ort_values(bwd_out, {n: fvals[n] if n in fvals else bvals[n] for n in merged_in})
+
+    forms = {"two sessions, no spinning (ORTModule)": two(False), "one session, no spinning": one(False),
+             "two sessions, spinning within runs": two(True), "one session, spinning within runs": one(True)}
+    times: dict[str, list[float]] = {k: [] for k in forms}
+    for run in forms.values():
+        for _ in range(3):
+            run()
+    for _ in range(rounds):
+        for k, run in forms.items():
+            t0 = time.perf_counter()
+            run()
+            times[k].append(time.perf_counter() - t0)
+    base = times["two sessions, no spinning (ORTModule)"]
+    return {k: (statistics.median(v) * 1e3, statistics.median(a / b for a, b in zip(v, base)))
+            for k, v in times.items()}
+
+
+def whole_steps(module: Any, batch: tuple, threads: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """{peer: (median step ms, median round-by-round ratio to ORTModule's)} (part 3)."""
+    import copy
+
+    import torch
+
+    from gradgraph.torch import ORTModule, runner
+
+    def spin_within_runs(options: Any) -> None:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
+
+    steps = {}
+    plain = runner.no_spinning
+    for peer in ("ORTModule", "ORTModule, spinning within runs", "torch eager"):
+        model = copy.deepcopy(module)
+        if peer != "torch eager":
+            model = ORTModule(model, fallback="raise", threads=threads)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(model: Any = model, opt: Any = opt) -> None:
+            model(*batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        runner.no_spinning = spin_within_runs if "spinning" in peer else plain  # sessions built now
+        try:
+            for _ in range(3):
+                step()
+        finally:
+            runner.no_spinning = plain
+        steps[peer] = step
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[k].append(time.perf_counter() - t0)
+    base = times["ORTModule"]
+    return {k: (statistics.median(v) * 1e3, statistics.median(a / b for a, b in zip(v, base)))
+            for k, v in times.items()}
+
+
+def measure(name: str, args: argparse.Namespace, folder: str) -> None:
+    import bench_training  # noqa: PLC0415 - tools/ is on sys.path
+    import onnx
+    import torch
+
+    from gradgraph.torch import ORTModule, runner
+
+    torch.manual_seed(0)
+    module, batch, _ = bench_training.build_model(name)
+    module.train()
+    torch_kinds = torch_backward_by_kind(module, batch, args.steps)
+
+    made: list[tuple[Any, Any]] = []
+    make = runner.inference_session
+
+    def profiled(model: Any, opts: Any, *rest: Any, **kw: Any) -> Any:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = f"{folder}/{name}_session_{len(made)}"
+        session = make(model, opts, *rest, **kw)
+        made.append((session, model if isinstance(model, onnx.ModelProto) else onnx.load(model)))
+        return session
+
+    fed: dict[str, dict] = {}
+    ops: dict[str, str] = {}
+    gradient_pass = runner.GradientPass
+
+    class Recorded(gradient_pass):  # type: ignore[misc, valid-type]
+        def __call__(self, model: Any) -> Any:  # the graph's node types before the gradient
+            ops.update({n.name: n.op_type for n in model.graph.all_nodes()})
+            return super().__call__(model)
+    run_forward, run_backward = runner.GraphRunner.run_forward, runner.GraphRunner.run_backward
+
+    def record_forward(self: Any, values: dict) -> Any:
+        fed["forward"] = {k: v.numpy().copy() for k, v in values.items() if k in self.fwd_inputs}
+        return run_forward(self, values)
+
+    def record_backward(self: Any, kept: dict, values: dict, grad_outputs: dict) -> Any:
+        feeds = {}
+        for n in self.bwd_inputs:
+            seed = self._seed_outputs.get(n)
+            feeds[n] = (grad_outputs[seed] if seed is not None else kept.get(n, values.get(n))).numpy().copy()
+        fed["backward"] = feeds
+        return run_backward(self, kept, values, grad_outputs)
+
+    runner.inference_session, runner.GradientPass = profiled, Recorded  # type: ignore[misc]
+    runner.GraphRunner.run_forward, runner.GraphRunner.run_backward = record_forward, record_backward  # type: ignore[method-assign]
+    try:
+        model = ORTModule(module, fallback="raise", threads=args.threads)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(args.steps + 2):
+            model(*batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        runner.inference_session, runner.GradientPass = make, gradient_pass  # type: ignore[misc]
+        runner.GraphRunner.run_forward, runner.GraphRunner.run_backward = run_forward, run_backward  # type: ignore[method-assign]
+    if len(made) != 2:
+        print(f"## {name}: ORTModule built {len(made)} sessions, not a forward and a backward; skipped")
+        return
+    (fwd_session, forward), (bwd_session, backward) = made
+    fwd_session.end_profiling()
+    graph_kinds = graph_backward_by_kind(bwd_session.end_profiling(), ops)
+    print(f"## {name}: backward, ms per step by layer kind ({args.steps} steps; ORTModule's backward "
+          "session's kernels, torch eager's autograd functions)")
+    print()
+    print("| kind | ORTModule backward | torch eager backward |")
+    print("|---|---|---|")
+    for kind in sorted(set(graph_kinds) | set(torch_kinds), key=lambda k: -graph_kinds.get(k, 0.0)):
+        print(f"| {kind} | {graph_kinds.get(kind, 0.0):.2f} | {torch_kinds.get(kind, 0.0):.2f} |")
+    print(f"| total | {sum(graph_kinds.values()):.2f} | {sum(torch_kinds.values()):.2f} |")
+    print()
+    cost = split_cost(forward, backward, fed["forward"], fed["backward"], args.threads, args.rounds)
+    print(f"What splitting costs ({args.rounds} rounds, forward and backward of one step):")
+    print()
+    print("| form | median ms | ratio to ORTModule's form (median of rounds) |")
+    print("|---|---|---|")
+    for form, (ms, ratio) in cost.items():
+        print(f"| {form} | {ms:.2f} | {ratio:.3f} |")
+    print()
+    print(f"Whole training steps ({args.rounds} rounds):")
+    print()
+    print("| peer | median step ms | ratio to ORTModule (median of rounds) |")
+    print("|---|---|---|")
+    for peer, (ms, ratio) in whole_steps(module, batch, args.threads, args.rounds).items():
+        print(f"| {peer} | {ms:.2f} | {ratio:.3f} |")
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="cnn,resnet18,mobilenetv2")
+    parser.add_argument("--steps", type=int, default=10, help="profiled steps (default 10)")
+    parser.add_argument("--rounds", type=int, default=30, help="rounds of the split-cost A/B (default 30)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--detail", action="store_true", help="name the op types and functions counted as other")
+    args = parser.parse_args()
+    global DETAIL
+    DETAIL = args.detail
+    if args.steps < 1 or args.rounds < 1 or args.threads < 1:
+        parser.error("--steps, --rounds and --threads must be >= 1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="gradgraph_gap_") as folder:
+        for name in args.models.split(","):
+            measure(name, args, folder)
+
+
+if __name__ == "__main__":
+    main()
