@@ -32,16 +32,15 @@ OUTPUTS = ("y", "rm", "rv")
 
 
 def _model(shape: tuple[int, ...], momentum: float, epsilon: float,
-           used: tuple[str, ...] | None) -> onnx.ModelProto:
+           used: tuple[str, ...] | None, dtype: int = TensorProto.FLOAT) -> onnx.ModelProto:
     """The node and, unless ``used`` is None, the weighted loss over the ``used`` outputs."""
     c = shape[1]
     names = ["x", "scale", "bias", "mean", "var"]
     node = helper.make_node("BatchNormalization", names, list(OUTPUTS), "bn", training_mode=1,
                             momentum=momentum, epsilon=epsilon)
     graph = helper.make_graph(
-        [node], "bn", [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape if n == "x" else (c,))
-                       for n in names],
-        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in OUTPUTS])
+        [node], "bn", [helper.make_tensor_value_info(n, dtype, shape if n == "x" else (c,)) for n in names],
+        [helper.make_tensor_value_info(o, dtype, None) for o in OUTPUTS])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=9)
     if used is None:
         return model
@@ -108,3 +107,35 @@ def test_backward_reads_the_activation_ten_times():
     readers = [n.op_type for n in grad.graph.node if n.name.startswith("bn_grad/")
                and n.op_type not in ("Shape", "Size") and any(i in full for i in n.input)]
     assert len(readers) == 10, readers
+
+
+@pytest.mark.parametrize("used", [("y",), ("y", "rv"), ("y", "rm", "rv"), ("rv",)])
+def test_float64_gradient_is_torchs_to_1e9(used):
+    """The rule in double against torch float64 to 1e-9: its algebra, free of float32 rounding
+    (the hypothesis test allows 1e-4); the running variance's gradient reads the centered x too
+    (the ``rv`` cases). momentum and epsilon are exact in float32 (ONNX's attributes are float32:
+    0.9 would be 0.899999976 there, not torch's 0.9)."""
+    shape, momentum, epsilon = (3, 4, 5, 2), 0.75, 2.0**-7
+    rng = np.random.default_rng(7)
+    c = shape[1]
+    feeds = {"x": rng.standard_normal(shape) * 1.5 + rng.uniform(-3, 3, (1, c, 1, 1)),
+             "scale": rng.uniform(0.5, 1.5, c), "bias": rng.uniform(-1, 1, c),
+             "mean": rng.uniform(-1, 1, c), "var": rng.uniform(0.5, 1.5, c)}
+    wrt = ["x", "scale", "bias"]
+    model = _model(shape, momentum, epsilon, used, dtype=TensorProto.DOUBLE)
+    grad = build_gradient_graph(model, fdcheck.LOSS, wrt, allow_unused=True)
+    names = [o.name for o in grad.graph.output]
+    got = dict(zip(names, fdcheck.session(grad).run(names, feeds)))
+    t = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in feeds.items()}
+    y = F.batch_norm(t["x"], t["mean"].clone(), t["var"].clone(), t["scale"], t["bias"], training=True,
+                     momentum=1.0 - momentum, eps=epsilon)
+    batch_var = t["x"].var([0, 2, 3], unbiased=False)
+    outs = {"y": y, "rm": t["mean"] * momentum + t["x"].mean([0, 2, 3]) * (1 - momentum),
+            "rv": t["var"] * momentum + batch_var * (1 - momentum)}
+    weights = {o: torch.tensor(w) for o, w in _weights(model, used).items()}
+    sum((outs[o] * weights[o]).sum() for o in used).backward()
+    for name in wrt:
+        key = f"{name}{fdcheck.GRAD_SUFFIX}"
+        want = t[name].grad.numpy() if t[name].grad is not None else np.zeros_like(feeds[name])
+        np.testing.assert_allclose(got[key] if key in got else 0.0, want, atol=1e-9, rtol=1e-9,
+                                   err_msg=f"d{name}, {used}")
