@@ -2,42 +2,44 @@
 
     python tools/ortmodule_gap.py [--models cnn,resnet18,mobilenetv2] [--steps 10] [--rounds 30]
 
-For each model of the training benchmark (tools/bench_training.py):
+For each model of the training benchmark (tools/bench_training.py; the layer kinds are those of
+convolutional nets: other models' nodes fall in "other" or the nearest kind, ``--detail`` names
+them):
 
 1. **Backward by layer kind.** The kernel milliseconds per step of ORTModule's backward session
-   (onnxruntime's profiler), each node counted for the forward node whose gradient it computes
-   (gradgraph names a gradient node ``<forward node>_grad/...``; onnxruntime's layout nodes,
-   ``ReorderInput``/``ReorderOutput``, count as "layout"; the sums of a value's gradients where
-   several nodes read it, as "gradient sums"). Beside it, PyTorch eager's backward in
-   the same process: the CPU time of each autograd function (``ConvolutionBackward0``...,
-   torch's profiler), by the same kinds.
+   (onnxruntime's profiler, its first 2 steps left out), each node counted for the forward node
+   whose gradient it computes (gradgraph names a gradient node ``<forward node>_grad/...``;
+   onnxruntime's layout nodes, ``ReorderInput``/``ReorderOutput``, count as "layout"; the sums
+   of a value's gradients where several nodes read it, as "gradient sums"). Beside it, PyTorch
+   eager's backward in the same process: the CPU time of each autograd function
+   (``ConvolutionBackward0``..., torch's profiler), by the same kinds. Kernel time, not wall time.
 2. **What splitting costs.** ORTModule runs the forward and the backward as two onnxruntime
    sessions whose threads sleep between parallel sections (its options). The two graphs it built,
-   fed what one of its steps fed them, run here in four forms, one after the other for
-   ``--rounds`` rounds: ORTModule's (two sessions, no spinning), one session of both graphs, and
-   each of those with threads that spin within a run and stop after it. Printed: each form's
-   median and its median ratio, round by round, to ORTModule's form. One session of both graphs
-   is not something a module under torch autograd can run (the backward is called later, by
-   torch): it measures what the split costs.
-
+   fed what one of its steps fed them, run here in four forms, sessions made by ORTModule's own
+   ``make_session``: ORTModule's (two sessions, no spinning), one session of both graphs, and each
+   of those with threads that spin within a run and stop after it. One session of both graphs is
+   not something a module under torch autograd can run (the backward is called later, by torch):
+   it measures what the split costs.
 3. **Whole steps.** ORTModule with its options, ORTModule whose threads spin within runs (and
-   stop after each), and PyTorch eager, each on its own copy of the model with its own AdamW,
-   one step each per round for ``--rounds`` rounds: medians and round-by-round ratios to the
-   first.
+   stop after each), and PyTorch eager, each on its own copy of the model with its own AdamW.
 
-Peers run one after the other in this process; the ratios of round-by-round pairs resist the
-machine's drift better than medians of separate processes do. Quote them with the machine.
+Parts 2 and 3 run each form once per round for ``--rounds`` rounds, in an order rotated every
+round, and print medians and the median of the round-by-round ratios to ORTModule's form: those
+ratios resist the machine's drift better than medians of separate processes do. The models run
+one after the other in one process. Quote the figures with the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,43 +52,50 @@ GRAPH_KINDS = {
     "conv": ("Conv", "ConvTranspose"),
     "norm": ("BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization"),
     "pool": ("MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LpPool", "ReduceMean"),
-    "activation": ("Relu", "Clip", "HardSigmoid", "HardSwish", "Sigmoid", "Tanh", "Gelu", "LeakyRelu", "Mul"),
+    "activation": ("Relu", "Clip", "HardSigmoid", "HardSwish", "Sigmoid", "Tanh", "Gelu", "LeakyRelu"),
     "linear": ("Gemm", "MatMul"),
-    "loss": ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "LogSoftmax", "Softmax"),
+    "loss": ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "LogSoftmax"),
     "residual add": ("Add", "Sum"),
     "reshape": ("Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze"),
 }
 TORCH_KINDS = {
-    "conv": ("Convolution", "ConvolutionBackward", "MkldnnConvolution"),
-    "norm": ("NativeBatchNorm", "BatchNorm", "NativeLayerNorm", "NativeGroupNorm"),
-    "pool": ("MaxPool", "AvgPool", "AdaptiveAvgPool", "AdaptiveMaxPool", "Mean"),
+    "conv": ("Convolution", "MkldnnConvolution"),
+    "norm": ("NativeBatchNorm", "CudnnBatchNorm", "NativeLayerNorm", "NativeGroupNorm"),
+    "pool": ("MaxPool2DWithIndices", "MaxPool3DWithIndices", "AvgPool2D", "AvgPool3D", "AdaptiveAvgPool2D",
+             "AdaptiveMaxPool2D", "Mean"),
     "activation": ("Relu", "Hardtanh", "Threshold", "Silu", "Gelu", "Hardswish", "Sigmoid", "Tanh", "LeakyRelu"),
-    "linear": ("Addmm", "Mm", "Linear", "T", "Bmm"),
-    "loss": ("LogSoftmax", "NllLoss", "CrossEntropy", "Softmax"),
+    "linear": ("Addmm", "Mm", "T", "Bmm"),
+    "loss": ("LogSoftmax", "NllLoss"),
     "residual add": ("Add",),
     "reshape": ("View", "Reshape", "UnsafeView", "Permute", "Squeeze", "Unsqueeze", "Flatten"),
     "gradient accumulation": ("AccumulateGrad",),
 }
-DETAIL = False  # --detail: "other" names its op type / function
 
 
-def _kind(name: str, kinds: dict[str, tuple[str, ...]], prefix: bool = False) -> str:
-    """The kind whose names hold ``name`` (or, with ``prefix``, begin it: MaxPool2DWithIndices)."""
+WARMUP = 2  # ORTModule's steps before the profiled ones (its profile leaves them out)
+
+
+def _kind(name: str, kinds: dict[str, tuple[str, ...]], detail: bool) -> str:
+    """The kind whose names hold ``name``; else "other" (with ``detail``, naming it)."""
     for kind, names in kinds.items():
-        if name in names or prefix and name.startswith(names):
+        if name in names:
             return kind
-    return f"other: {name}" if DETAIL else "other"
+    return f"other: {name}" if detail else "other"
 
 
-def graph_backward_by_kind(profile: str, ops: dict[str, str]) -> dict[str, float]:
-    """Kernel ms per run of the backward session's profile ``profile``, by layer kind; ``ops``:
-    the op type of each node of the graph the gradient was built from."""
+def graph_backward_by_kind(profile: str, ops: dict[str, str], skip: int, detail: bool) -> dict[str, float]:
+    """Kernel ms per run of the backward session's profile ``profile``, by layer kind, its first
+    ``skip`` runs (the warm-up) left out; ``ops``: the op type of each node of the graph the
+    gradient was built from."""
     with open(profile) as f:
         events = json.load(f)
-    runs = max(1, sum(1 for e in events if e.get("cat") == "Session" and e["name"] == "model_run"))
+    starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
+    if len(starts) <= skip:
+        raise SystemExit(f"the backward session's profile holds {len(starts)} runs, not more than {skip}")
+    first, runs = starts[skip], len(starts) - skip
     out: dict[str, float] = collections.Counter()
     for e in events:
-        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time") or e["ts"] < first:
             continue
         node = e["name"][: -len("_kernel_time")]
         op = e.get("args", {}).get("op_name", "")
@@ -96,14 +105,14 @@ def graph_backward_by_kind(profile: str, ops: dict[str, str]) -> dict[str, float
             kind = "gradient sums (fan-out)"
         elif "_grad/" in node or node.endswith("_grad"):
             source = node.split("_grad/")[0] if "_grad/" in node else node[: -len("_grad")]
-            kind = _kind(ops.get(source, ""), GRAPH_KINDS)
+            kind = _kind(ops.get(source, ""), GRAPH_KINDS, detail)
         else:
-            kind = f"other: {op}" if DETAIL else "other"
+            kind = f"other: {op}" if detail else "other"
         out[kind] += e["dur"] / 1e3 / runs
     return dict(out)
 
 
-def torch_backward_by_kind(module: Any, batch: tuple, steps: int) -> dict[str, float]:
+def torch_backward_by_kind(module: Any, batch: tuple, steps: int, detail: bool) -> dict[str, float]:
     """CPU ms per step of each autograd function of torch eager's backward, by layer kind."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -121,7 +130,7 @@ def torch_backward_by_kind(module: Any, batch: tuple, steps: int) -> dict[str, f
             continue
         fn = e.key[len(prefix):].split("::")[-1].rstrip("0123456789")
         fn = fn[: -len("Backward")] if fn.endswith("Backward") else fn
-        out[_kind(fn, TORCH_KINDS, prefix=True)] += e.cpu_time_total / 1e3 / steps
+        out[_kind(fn, TORCH_KINDS, detail)] += e.cpu_time_total / 1e3 / steps
     return dict(out)
 
 
@@ -144,22 +153,16 @@ def merged_graph(forward: Any, backward: Any) -> Any:
 
 def split_cost(forward: Any, backward: Any, fwd_feeds: dict, bwd_feeds: dict, threads: int,
                rounds: int) -> dict[str, tuple[float, float]]:
-    """{form: (median ms, median round-by-round ratio to ORTModule's form)}."""
+    """{form: (median ms, median round-by-round ratio to ORTModule's form)}. The sessions are made
+    by ORTModule's own ``runner.make_session``; "spinning within runs" patches its ``no_spinning``."""
+    import onnx_ir as ir
     import onnxruntime as ort
 
-    from gradgraph.runtime.compat import inference_session
-    from passes.recompute.recompute_pass import SESSION_DISABLED_OPTIMIZERS
+    from gradgraph.torch import runner
 
     def session(model: Any, spin: bool) -> Any:
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.log_severity_level = 3
-        opts.enable_mem_pattern = False
-        opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-        opts.add_session_config_entry(*(("session.force_spinning_stop", "1") if spin
-                                        else ("session.intra_op.allow_spinning", "0")))
-        return inference_session(model, opts, providers=["CPUExecutionProvider"],
-                                 disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
+        with _spinning(runner, spin):
+            return runner.make_session(ir.from_proto(model), threads)
 
     fwd_out = [o.name for o in forward.graph.output]
     bwd_out = [o.name for o in backward.graph.output]
@@ -183,18 +186,37 @@ def split_cost(forward: Any, backward: Any, fwd_feeds: dict, bwd_feeds: dict, th
 
     forms = {"two sessions, no spinning (ORTModule)": two(False), "one session, no spinning": one(False),
              "two sessions, spinning within runs": two(True), "one session, spinning within runs": one(True)}
-    times: dict[str, list[float]] = {k: [] for k in forms}
     for run in forms.values():
         for _ in range(3):
             run()
-    for _ in range(rounds):
-        for k, run in forms.items():
+    return _paired(forms, rounds, "two sessions, no spinning (ORTModule)")
+
+
+def _paired(runs: dict[str, Any], rounds: int, base: str) -> dict[str, tuple[float, float]]:
+    """{name: (median ms, median round-by-round ratio to ``base``)} of ``runs`` called once each
+    per round, in an order rotated every round (no one always follows the same other)."""
+    names = list(runs)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[: r % len(names)]:
             t0 = time.perf_counter()
-            run()
+            runs[k]()
             times[k].append(time.perf_counter() - t0)
-    base = times["two sessions, no spinning (ORTModule)"]
-    return {k: (statistics.median(v) * 1e3, statistics.median(a / b for a, b in zip(v, base)))
+    return {k: (statistics.median(v) * 1e3, statistics.median(a / b for a, b in zip(v, times[base])))
             for k, v in times.items()}
+
+
+@contextlib.contextmanager
+def _spinning(runner: Any, spin: bool) -> Iterator[None]:
+    """While on, sessions ``runner.make_session`` makes spin within runs and stop after each
+    (``session.force_spinning_stop``) instead of ORTModule's sleeping threads."""
+    plain = runner.no_spinning
+    if spin:
+        runner.no_spinning = lambda options: options.add_session_config_entry("session.force_spinning_stop", "1")
+    try:
+        yield
+    finally:
+        runner.no_spinning = plain
 
 
 def whole_steps(module: Any, batch: tuple, threads: int, rounds: int) -> dict[str, tuple[float, float]]:
@@ -205,11 +227,7 @@ def whole_steps(module: Any, batch: tuple, threads: int, rounds: int) -> dict[st
 
     from gradgraph.torch import ORTModule, runner
 
-    def spin_within_runs(options: Any) -> None:
-        options.add_session_config_entry("session.force_spinning_stop", "1")
-
     steps = {}
-    plain = runner.no_spinning
     for peer in ("ORTModule", "ORTModule, spinning within runs", "torch eager"):
         model = copy.deepcopy(module)
         if peer != "torch eager":
@@ -221,22 +239,11 @@ def whole_steps(module: Any, batch: tuple, threads: int, rounds: int) -> dict[st
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        runner.no_spinning = spin_within_runs if "spinning" in peer else plain  # sessions built now
-        try:
+        with _spinning(runner, "spinning" in peer):  # its sessions are made by the first call
             for _ in range(3):
                 step()
-        finally:
-            runner.no_spinning = plain
         steps[peer] = step
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for k, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[k].append(time.perf_counter() - t0)
-    base = times["ORTModule"]
-    return {k: (statistics.median(v) * 1e3, statistics.median(a / b for a, b in zip(v, base)))
-            for k, v in times.items()}
+    return _paired(steps, rounds, "ORTModule")
 
 
 def measure(name: str, args: argparse.Namespace, folder: str) -> None:
@@ -249,7 +256,7 @@ def measure(name: str, args: argparse.Namespace, folder: str) -> None:
     torch.manual_seed(0)
     module, batch, _ = bench_training.build_model(name)
     module.train()
-    torch_kinds = torch_backward_by_kind(module, batch, args.steps)
+    torch_kinds = torch_backward_by_kind(module, batch, args.steps, args.detail)
 
     made: list[tuple[Any, Any]] = []
     make = runner.inference_session
@@ -288,7 +295,7 @@ def measure(name: str, args: argparse.Namespace, folder: str) -> None:
     try:
         model = ORTModule(module, fallback="raise", threads=args.threads)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(args.steps + 2):
+        for _ in range(WARMUP + args.steps):
             model(*batch).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -300,7 +307,7 @@ def measure(name: str, args: argparse.Namespace, folder: str) -> None:
         return
     (fwd_session, forward), (bwd_session, backward) = made
     fwd_session.end_profiling()
-    graph_kinds = graph_backward_by_kind(bwd_session.end_profiling(), ops)
+    graph_kinds = graph_backward_by_kind(bwd_session.end_profiling(), ops, WARMUP, args.detail)
     print(f"## {name}: backward, ms per step by layer kind ({args.steps} steps; ORTModule's backward "
           "session's kernels, torch eager's autograd functions)")
     print()
@@ -335,8 +342,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--detail", action="store_true", help="name the op types and functions counted as other")
     args = parser.parse_args()
-    global DETAIL
-    DETAIL = args.detail
     if args.steps < 1 or args.rounds < 1 or args.threads < 1:
         parser.error("--steps, --rounds and --threads must be >= 1")
     import torch
