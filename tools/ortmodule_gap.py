@@ -248,8 +248,8 @@ def whole_steps(module: Any, batch: tuple, threads: int, rounds: int) -> dict[st
 
 def measure(name: str, args: argparse.Namespace, folder: str) -> None:
     import bench_training  # noqa: PLC0415 - tools/ is on sys.path
-    import onnx
     import torch
+    from profile_ortmodule import profiled_sessions  # noqa: PLC0415 - tools/ is on sys.path
 
     from gradgraph.torch import ORTModule, runner
 
@@ -257,16 +257,6 @@ def measure(name: str, args: argparse.Namespace, folder: str) -> None:
     module, batch, _ = bench_training.build_model(name)
     module.train()
     torch_kinds = torch_backward_by_kind(module, batch, args.steps, args.detail)
-
-    made: list[tuple[Any, Any]] = []
-    make = runner.inference_session
-
-    def profiled(model: Any, opts: Any, *rest: Any, **kw: Any) -> Any:
-        opts.enable_profiling = True
-        opts.profile_file_prefix = f"{folder}/{name}_session_{len(made)}"
-        session = make(model, opts, *rest, **kw)
-        made.append((session, model if isinstance(model, onnx.ModelProto) else onnx.load(model)))
-        return session
 
     fed: dict[str, dict] = {}
     ops: dict[str, str] = {}
@@ -290,17 +280,18 @@ def measure(name: str, args: argparse.Namespace, folder: str) -> None:
         fed["backward"] = feeds
         return run_backward(self, kept, values, grad_outputs)
 
-    runner.inference_session, runner.GradientPass = profiled, Recorded  # type: ignore[misc]
+    runner.GradientPass = Recorded  # type: ignore[misc]
     runner.GraphRunner.run_forward, runner.GraphRunner.run_backward = record_forward, record_backward  # type: ignore[method-assign]
     try:
-        model = ORTModule(module, fallback="raise", threads=args.threads)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(WARMUP + args.steps):
-            model(*batch).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        with profiled_sessions(runner, f"{folder}/{name}_session") as made:
+            model = ORTModule(module, fallback="raise", threads=args.threads)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for _ in range(WARMUP + args.steps):
+                model(*batch).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
     finally:
-        runner.inference_session, runner.GradientPass = make, gradient_pass  # type: ignore[misc]
+        runner.GradientPass = gradient_pass  # type: ignore[misc]
         runner.GraphRunner.run_forward, runner.GraphRunner.run_backward = run_forward, run_backward  # type: ignore[method-assign]
     if len(made) != 2:
         print(f"## {name}: ORTModule built {len(made)} sessions, not a forward and a backward; skipped")
@@ -310,27 +301,25 @@ def measure(name: str, args: argparse.Namespace, folder: str) -> None:
     graph_kinds = graph_backward_by_kind(bwd_session.end_profiling(), ops, WARMUP, args.detail)
     print(f"## {name}: backward, ms per step by layer kind ({args.steps} steps; ORTModule's backward "
           "session's kernels, torch eager's autograd functions)")
-    print()
-    print("| kind | ORTModule backward | torch eager backward |")
-    print("|---|---|---|")
-    for kind in sorted(set(graph_kinds) | set(torch_kinds), key=lambda k: -graph_kinds.get(k, 0.0)):
-        print(f"| {kind} | {graph_kinds.get(kind, 0.0):.2f} | {torch_kinds.get(kind, 0.0):.2f} |")
-    print(f"| total | {sum(graph_kinds.values()):.2f} | {sum(torch_kinds.values()):.2f} |")
-    print()
+    kinds = sorted(set(graph_kinds) | set(torch_kinds), key=lambda k: -graph_kinds.get(k, 0.0))
+    _table(("kind", "ORTModule backward", "torch eager backward"),
+           [(k, f"{graph_kinds.get(k, 0.0):.2f}", f"{torch_kinds.get(k, 0.0):.2f}") for k in kinds]
+           + [("total", f"{sum(graph_kinds.values()):.2f}", f"{sum(torch_kinds.values()):.2f}")])
     cost = split_cost(forward, backward, fed["forward"], fed["backward"], args.threads, args.rounds)
     print(f"What splitting costs ({args.rounds} rounds, forward and backward of one step):")
-    print()
-    print("| form | median ms | ratio to ORTModule's form (median of rounds) |")
-    print("|---|---|---|")
-    for form, (ms, ratio) in cost.items():
-        print(f"| {form} | {ms:.2f} | {ratio:.3f} |")
-    print()
+    _table(("form", "median ms", "ratio to ORTModule's form (median of rounds)"),
+           [(form, f"{ms:.2f}", f"{ratio:.3f}") for form, (ms, ratio) in cost.items()])
     print(f"Whole training steps ({args.rounds} rounds):")
+    steps = whole_steps(module, batch, args.threads, args.rounds)
+    _table(("peer", "median step ms", "ratio to ORTModule (median of rounds)"),
+           [(peer, f"{ms:.2f}", f"{ratio:.3f}") for peer, (ms, ratio) in steps.items()])
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A Markdown table, with a blank line before and after."""
     print()
-    print("| peer | median step ms | ratio to ORTModule (median of rounds) |")
-    print("|---|---|---|")
-    for peer, (ms, ratio) in whole_steps(module, batch, args.threads, args.rounds).items():
-        print(f"| {peer} | {ms:.2f} | {ratio:.3f} |")
+    for row in (header, tuple("---" for _ in header), *rows):
+        print("| " + " | ".join(row) + " |")
     print()
 
 

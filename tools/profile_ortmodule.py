@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,28 @@ def _session_report(index: int, path: str, model: Any, device_type: str, top_nod
         print(f"    ops on the CPU provider: {on_cpu}")
 
 
+@contextlib.contextmanager
+def profiled_sessions(runner: Any, prefix: str) -> Iterator[list[tuple[Any, Any]]]:
+    """While on, every session the front ends' ``runner`` makes is profiled (onnxruntime's files
+    ``<prefix>_<n>_*.json``); yields the (session, model proto) pairs made, in order, and puts
+    ``runner.inference_session`` back after."""
+    made: list[tuple[Any, Any]] = []
+    make = runner.inference_session
+
+    def profiled(model: Any, opts: Any, *rest: Any, **kw: Any) -> Any:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = f"{prefix}_{len(made)}"
+        session = make(model, opts, *rest, **kw)
+        made.append((session, model))
+        return session
+
+    runner.inference_session = profiled
+    try:
+        yield made
+    finally:
+        runner.inference_session = make
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bert,gpt2")
@@ -114,49 +138,38 @@ def main() -> None:
             torch.cuda.synchronize(device)
 
     folder = tempfile.mkdtemp(prefix="gradgraph_profile_")
-    sessions: list[tuple[Any, Any]] = []
-    make = runner.inference_session
-
-    def profiled(model: Any, opts: Any, *rest: Any, **kw: Any) -> Any:
-        opts.enable_profiling = True
-        opts.profile_file_prefix = f"{folder}/session_{len(sessions)}"
-        session = make(model, opts, *rest, **kw)
-        sessions.append((session, model))
-        return session
-
-    runner.inference_session = profiled  # ORTModule's sessions, profiled
     for name in args.models.split(","):
-        sessions.clear()
-        torch.manual_seed(0)
-        module, batch, _ = bench_training.build_model(name)  # the peer's models and the CNNs
-        module.to(device).train()
-        batch = tuple(t.to(device) for t in batch)
-        medians = {}
-        for peer in ("torch", "ortmodule"):
-            model = module if peer == "torch" else ORTModule(module, fallback="raise", threads=args.threads)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            medians[peer] = _phases(model, opt, batch, args.steps, args.warmup, sync)
-        ratio = sum(medians["ortmodule"]) / sum(medians["torch"])
-        print(f"{name} on {device} ({args.steps} steps after {args.warmup}): forward / backward / optimizer "
-              f"ms, medians: torch " + " / ".join(f"{m:.2f}" for m in medians["torch"])
-              + "; ortmodule " + " / ".join(f"{m:.2f}" for m in medians["ortmodule"])
-              + f"; step ratio ortmodule / torch {ratio:.2f}")
-        if cuda:
-            from torch.profiler import ProfilerActivity, profile
+        with profiled_sessions(runner, f"{folder}/{name}_session") as sessions:  # ORTModule's, profiled
+            torch.manual_seed(0)
+            module, batch, _ = bench_training.build_model(name)  # the peer's models and the CNNs
+            module.to(device).train()
+            batch = tuple(t.to(device) for t in batch)
+            medians = {}
+            for peer in ("torch", "ortmodule"):
+                model = module if peer == "torch" else ORTModule(module, fallback="raise", threads=args.threads)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                medians[peer] = _phases(model, opt, batch, args.steps, args.warmup, sync)
+            ratio = sum(medians["ortmodule"]) / sum(medians["torch"])
+            print(f"{name} on {device} ({args.steps} steps after {args.warmup}): forward / backward / optimizer "
+                  f"ms, medians: torch " + " / ".join(f"{m:.2f}" for m in medians["torch"])
+                  + "; ortmodule " + " / ".join(f"{m:.2f}" for m in medians["ortmodule"])
+                  + f"; step ratio ortmodule / torch {ratio:.2f}")
+            if cuda:
+                from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    loss = model(*batch)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                sync()
-            averages = prof.key_averages()
-            gpu_ms = sum(e.self_device_time_total for e in averages) / 3 / 1e3
-            print(f"  GPU time of all kernels per ORTModule step (torch's profiler): {gpu_ms:.2f} ms")
-            print(averages.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=60))
-        for index, (session, model) in enumerate(sessions):
-            _session_report(index, session.end_profiling(), model, device.type, args.top_nodes)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        loss = model(*batch)
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    sync()
+                averages = prof.key_averages()
+                gpu_ms = sum(e.self_device_time_total for e in averages) / 3 / 1e3
+                print(f"  GPU time of all kernels per ORTModule step (torch's profiler): {gpu_ms:.2f} ms")
+                print(averages.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=60))
+            for index, (session, model) in enumerate(sessions):
+                _session_report(index, session.end_profiling(), model, device.type, args.top_nodes)
 
 
 if __name__ == "__main__":
